@@ -1,0 +1,136 @@
+"""build.toml files: the root hub manifest and each kernel's kernel-builder (edition 5) metadata.
+
+Parsed with tomllib and validated with errors that say which file and which field is wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]  # the repository (loader/pallas_hub/ -> ../..)
+BACKENDS = ("cann", "cpu", "cuda", "metal", "neuron", "rocm", "tpu", "xpu")  # kernel-builder's enum
+NAME_RE = re.compile(r"^[a-z][-a-z0-9]*[a-z0-9]$")  # what `kernels` accepts as a kernel name
+REPO_RE = re.compile(r"^[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*$")
+
+
+class ManifestError(ValueError):
+    """A build.toml that is missing a field or has a wrong one."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelSpec:
+    """One kernel: its folder and what its build.toml says."""
+
+    key: str  # the folder name under kernels/, e.g. "ragged_dot"
+    path: Path
+    name: str  # the Hub kernel name, e.g. "ragged-dot-tpu"
+    version: int
+    license: str
+    backends: tuple[str, ...]
+    repo_id: str
+    upstream: str | None = None
+
+    @property
+    def package(self) -> str:
+        """The importable package under torch-ext/ ("ragged-dot-tpu" -> "ragged_dot_tpu")."""
+        return self.name.replace("-", "_")
+
+    @property
+    def source(self) -> Path:
+        return self.path / "torch-ext" / self.package
+
+
+def _load(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ManifestError(f"{path}: not valid TOML: {e}") from None
+
+
+def _field(table: dict, key: str, kind: type, where: str):
+    if key not in table:
+        raise ManifestError(f"{where}: missing field {key!r}")
+    value = table[key]
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ManifestError(f"{where}: {key!r} must be an integer, got {value!r}")
+    if not isinstance(value, kind):
+        raise ManifestError(f"{where}: {key!r} must be a {kind.__name__}, got {value!r}")
+    return value
+
+
+def load_kernel(path: Path, key: str | None = None) -> KernelSpec:
+    """Read and validate ``path/build.toml`` (kernel-builder edition 5, noarch TPU kernel)."""
+    path = Path(path)
+    file = path / "build.toml"
+    data = _load(file)
+    where = f"{file} [general]"
+    general = data.get("general")
+    if not isinstance(general, dict):
+        raise ManifestError(f"{file}: missing table [general]")
+    name = _field(general, "name", str, where)
+    if not NAME_RE.match(name):
+        raise ManifestError(f"{where}: name {name!r} must be lowercase letters, digits and '-' (e.g. 'ragged-dot-tpu')")
+    version = _field(general, "version", int, where)
+    if version < 0:
+        raise ManifestError(f"{where}: version must be >= 0, got {version}")
+    edition = _field(general, "edition", int, where)
+    if edition != 5:
+        raise ManifestError(f"{where}: edition must be 5 (kernel-builder), got {edition}")
+    license_ = _field(general, "license", str, where)
+    backends = _field(general, "backends", list, where)
+    unknown = [b for b in backends if b not in BACKENDS]
+    if unknown or not backends:
+        raise ManifestError(f"{where}: unknown backend(s) {unknown or backends}; known: {', '.join(BACKENDS)}")
+    if "tpu" not in backends:
+        raise ManifestError(f"{where}: backends must include 'tpu' (these are Pallas TPU kernels)")
+    hub = general.get("hub")
+    if not isinstance(hub, dict):
+        raise ManifestError(f"{file}: missing table [general.hub] with repo-id")
+    repo_id = _field(hub, "repo-id", str, f"{file} [general.hub]")
+    if not REPO_RE.match(repo_id):
+        raise ManifestError(f"{file} [general.hub]: repo-id {repo_id!r} must look like 'org/name'")
+    if "torch-noarch" not in data:
+        raise ManifestError(f"{file}: missing table [torch-noarch] (TPU kernels are noarch builds)")
+    spec = KernelSpec(key or path.name, path, name, version, license_, tuple(backends), repo_id, general.get("upstream"))
+    if not spec.source.is_dir():
+        raise ManifestError(f"{file}: expected the package at {spec.source.relative_to(path)}")
+    return spec
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    namespace: str
+    kernels: dict[str, KernelSpec]
+
+    def select(self, keys: list[str] | None) -> list[KernelSpec]:
+        if not keys:
+            return list(self.kernels.values())
+        by_any = {**{k.name: k for k in self.kernels.values()}, **self.kernels}
+        missing = [k for k in keys if k not in by_any]
+        if missing:
+            raise ManifestError(f"unknown kernel(s) {missing}; the manifest has {', '.join(self.kernels)}")
+        return [by_any[k] for k in keys]
+
+
+def load_manifest(root: Path = ROOT) -> Manifest:
+    """The root build.toml: ``[hub] namespace`` and ``[kernels.<key>] path`` for every kernel."""
+    file = Path(root) / "build.toml"
+    data = _load(file)
+    hub = data.get("hub")
+    if not isinstance(hub, dict):
+        raise ManifestError(f"{file}: missing table [hub] with namespace")
+    namespace = _field(hub, "namespace", str, f"{file} [hub]")
+    kernels = {}
+    for key, table in data.get("kernels", {}).items():
+        rel = _field(table, "path", str, f"{file} [kernels.{key}]")
+        spec = load_kernel(Path(root) / rel, key)
+        if not spec.repo_id.startswith(namespace + "/"):
+            raise ManifestError(f"{spec.path / 'build.toml'}: repo-id {spec.repo_id!r} is outside namespace {namespace!r}")
+        kernels[key] = spec
+    return Manifest(namespace, kernels)

@@ -1,0 +1,165 @@
+"""The torch <-> JAX bridge (pallas_hub/bridge.py, vendored into every kernel as _bridge.py)."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+import torch
+
+from pallas_hub import bridge
+
+FIXTURE = "tests/fixtures/scale_add"
+
+
+# --------------------------------------------------------------------------- zero-copy DLPack
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dlpack_is_zero_copy_both_ways(dtype):
+    t = torch.randn(64, 128).to(dtype)
+    a = bridge.to_jax(t)
+    assert a.unsafe_buffer_pointer() == t.data_ptr()  # torch -> jax shares memory
+    out = jnp.asarray(a) * 2
+    (back,) = bridge.to_torch([out], [t])
+    assert back.data_ptr() == out.unsafe_buffer_pointer()  # jax -> torch shares memory
+    torch.testing.assert_close(back, t * 2)
+
+
+def test_int64_becomes_int32_and_out_of_range_is_refused():
+    a = bridge.to_jax(torch.tensor([0, 5, 2**31 - 1], dtype=torch.int64))
+    assert a.dtype == jnp.int32 and a.tolist() == [0, 5, 2**31 - 1]
+    with pytest.raises(ValueError, match="int32 range"):
+        bridge.to_jax(torch.tensor([2**31], dtype=torch.int64))
+
+
+def test_empty_tensors_cross_the_bridge():
+    a = bridge.to_jax(torch.empty(0, 128))
+    assert a.shape == (0, 128)
+    (t,) = bridge.to_torch([jnp.zeros((0, 3))], [])
+    assert t.shape == (0, 3)
+
+
+# --------------------------------------------------------------------------- ops built with the bridge
+
+def _gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+    return x[idx]
+
+
+def _passthrough(x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
+    return x, x  # JAX forwards the input buffer: torch must get two fresh, independent tensors
+
+
+gather_rows = bridge.jax_op(
+    "pallas_hub_test::gather_rows", _gather_rows,
+    fake=lambda x, idx: x.new_empty((idx.shape[0], x.shape[1])),
+)
+passthrough = bridge.jax_op(
+    "pallas_hub_test::passthrough", _passthrough, returns=tuple[torch.Tensor, torch.Tensor],
+    fake=lambda x, y: (torch.empty_like(x), torch.empty_like(x)),
+)
+
+
+def test_int64_indices_and_non_contiguous_inputs():
+    x = torch.randn(16, 8).t()  # non-contiguous (8, 16)
+    idx = torch.tensor([7, 0, 3, 3], dtype=torch.int64)
+    torch.testing.assert_close(gather_rows(x, idx), x[idx])
+
+
+def test_outputs_never_alias_inputs_or_each_other():
+    x, y = torch.randn(4, 128), torch.randn(4, 128)
+    keep = x.clone()
+    a, b = passthrough(x, y)
+    assert len({a.data_ptr(), b.data_ptr(), x.data_ptr()}) == 3
+    a.add_(1.0)
+    b.mul_(0.0)
+    torch.testing.assert_close(x, keep)  # in-place writes to outputs leave the input intact
+    torch.testing.assert_close(a, keep + 1.0)
+
+
+def test_unannotated_or_unsupported_parameters_are_refused():
+    def no_annotation(x):
+        return x
+
+    def bad_annotation(x: jax.Array, shape: tuple) -> jax.Array:
+        return x
+
+    with pytest.raises(TypeError, match="'x' has no type annotation"):
+        bridge.jax_op("pallas_hub_test::bad1", no_annotation, fake=lambda x: x)
+    with pytest.raises(TypeError, match="'shape' is annotated"):
+        bridge.jax_op("pallas_hub_test::bad2", bad_annotation, fake=lambda x, shape: x)
+
+
+def test_devices_are_checked_by_name():
+    cpu, meta = torch.zeros(2), torch.zeros(2, device="meta")
+    assert bridge.check_devices({"x": cpu, "bias": None}) == "cpu"
+    with pytest.raises(ValueError, match="x is on device meta"):
+        bridge.check_devices({"x": meta})
+    with pytest.raises(ValueError, match="y is on meta but x is on cpu"):
+        bridge.check_devices({"x": cpu, "y": meta}, allow_meta=True)
+    with pytest.raises(TypeError, match="y must be a torch.Tensor"):
+        bridge.check_devices({"x": cpu, "y": [1.0]})
+
+
+def test_the_torch_tpu_path_uses_jax_op_and_keeps_cpu_fake_and_autograd(monkeypatch):
+    """Without a TPU, a stand-in for torch.tpu.pallas.jax_op checks the TPU branch's wiring."""
+    seen = {}
+
+    def stand_in_jax_op(name, fn):
+        seen["name"], seen["fn"] = name, fn
+
+        @torch.library.custom_op(name, mutates_args=())
+        def op(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+            raise AssertionError("the TPU implementation must not run for CPU tensors")
+
+        return op
+
+    monkeypatch.setattr(bridge, "_tpu_jax_op", lambda: stand_in_jax_op)
+    op = bridge.jax_op("pallas_hub_test::gather_tpu", _gather_rows, fake=lambda x, idx: x.new_empty((idx.shape[0], x.shape[1])))
+    assert seen["name"] == "pallas_hub_test::gather_tpu" and seen["fn"] is _gather_rows
+    x, idx = torch.randn(5, 4), torch.tensor([4, 1])
+    torch.testing.assert_close(op(x, idx), x[idx])  # the CPU kernel registered on TorchTPU's op
+
+
+# --------------------------------------------------------------------------- the bridge inside a built kernel
+
+def test_kernel_package_ships_its_own_bridge_and_unique_namespace(load_kernel):
+    k = load_kernel(FIXTURE)
+    assert k._bridge.__file__ != bridge.__file__
+    assert open(k._bridge.__file__).read() == open(bridge.__file__).read()  # vendored from the single source
+    assert k._ops._OPS_NAME.startswith("_scale_add_tpu_cpu_")
+    assert k.scale_add._qualname == f"{k._ops._OPS_NAME}::scale_add"
+
+
+def test_opcheck_and_autograd(load_kernel):
+    k = load_kernel(FIXTURE)
+    x = torch.randn(37, 128, requires_grad=True)
+    y = torch.randn(37, 128, requires_grad=True)
+    torch.library.opcheck(k.scale_add, (x, y, 1.5, 16))
+    out = k.scale_add(x, y, 1.5, 16)
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full_like(x, 1.5))
+    torch.testing.assert_close(y.grad, torch.ones_like(y))
+
+
+def test_torch_compile_fullgraph(load_kernel):
+    k = load_kernel(FIXTURE)
+    x, y = torch.randn(40, 256), torch.randn(40, 256)
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def f(a, b):
+        return torch.relu(k.scale_add(a, b, 2.0, 8)) + 1
+
+    torch.testing.assert_close(f(x, y), torch.relu(2.0 * x + y) + 1)
+
+
+def test_bad_input_names_the_argument(load_kernel):
+    k = load_kernel(FIXTURE)
+    x = torch.randn(8, 128)
+    with pytest.raises(TypeError, match="x must have dtype float32 or bfloat16, got int32"):
+        k.scale_add(x.int(), x)
+    with pytest.raises(ValueError, match=r"same shape, got \(8, 128\) and \(4, 128\)"):
+        k.scale_add(x, x[:4])
+    with pytest.raises(TypeError, match="same dtype"):
+        k.scale_add(x, x.bfloat16())
+    with pytest.raises(ValueError, match="block_rows must be a positive multiple of 8"):
+        k.scale_add(x, x, 1.0, 12)
+    with pytest.raises(ValueError, match="y is on meta but x is on cpu"):
+        k.scale_add(x, x.to("meta"))
