@@ -1,8 +1,9 @@
 """TPU cost model: what a Pallas TPU kernel moves and computes, for concrete inputs, without a TPU.
 
-``estimate(fn, *args, **static)`` runs ``fn`` eagerly with every ``pallas_call`` intercepted (so the
-concrete operands of each call, scalar-prefetch values included, are known; the call's outputs are
-replaced by zeros, which only matters if one kernel's output drives another's scalar prefetch). For
+``estimate(fn, *args, **static)`` traces ``fn`` and evaluates the program up to every ``pallas_call``
+(so the concrete operands of each call, scalar-prefetch values included, are known; the call's
+outputs are replaced by zeros, which only matters if one kernel's output drives another's scalar
+prefetch). For
 each call it then runs one compiled scan over the grid, in Pallas pipeline order (row-major, last
 axis fastest), that
 
@@ -29,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import threading
 from typing import Any, Callable
 
 from . import verify  # noqa: F401  (sets JAX_PLATFORMS/ALLOW_MULTIPLE_LIBTPU_LOAD before jax loads)
@@ -133,36 +133,48 @@ def roofline_fraction(cost: Cost, min_bytes: float, min_flops: float, chip: str)
 
 # --------------------------------------------------------------------------- capturing the calls
 
-_capture_lock = threading.Lock()
-
-
-def _pallas_call_p():
-    from jax._src.pallas.pallas_call import pallas_call_p
-
-    return pallas_call_p
-
-
 def capture(fn: Callable, *args, **static) -> list[tuple[tuple, dict]]:
-    """Run ``fn`` eagerly and return (concrete operands, params) of every pallas_call it makes.
+    """Trace ``fn`` and return (concrete operands, params) of every pallas_call it makes, in order.
 
-    Each call's outputs are replaced by zeros (nothing is computed), so this is cheap at any size.
+    The traced program is evaluated eagerly up to each pallas_call (calls such as jit and
+    custom_vjp that contain kernels are inlined, a cond around a kernel takes its concrete branch);
+    each call's outputs are replaced by zeros (nothing is computed), so this is cheap at any size.
     """
-    prim = _pallas_call_p()
+    closed = jax.make_jaxpr(functools.partial(fn, **static))(*args)
     records: list[tuple[tuple, dict]] = []
-
-    def record(*operands, **params):
-        records.append((operands, params))
-        return [jnp.zeros(a.shape, a.dtype) for a in params["out_avals"]]
-
-    with _capture_lock:
-        original = prim.impl
-        prim.impl = record
-        try:
-            with jax.disable_jit():
-                fn(*args, **static)
-        finally:
-            prim.impl = original
+    _eval_outer(closed.jaxpr, closed.consts, jax.tree_util.tree_leaves(args), records)
     return records
+
+
+def _has_pallas_call(jaxpr) -> bool:
+    return any(e.primitive.name == "pallas_call" for e in verify._walk(jaxpr))
+
+
+def _eval_outer(jaxpr, consts, args, records):
+    env = dict(zip(jaxpr.constvars, consts))
+    env.update(zip(jaxpr.invars, args))
+    read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]  # noqa: E731
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        subs = [v for v in eqn.params.values() if isinstance(v, (jex_core.ClosedJaxpr, jex_core.Jaxpr))]
+        if name == "pallas_call":
+            records.append((tuple(ins), dict(eqn.params)))
+            outs = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
+        elif not any(_has_pallas_call(j) for v in eqn.params.values() for j in verify._sub_jaxprs(v)):
+            outs = eqn.primitive.bind(*ins, **eqn.params)
+            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+        elif name == "cond":
+            branch = eqn.params["branches"][int(np.clip(int(ins[0]), 0, len(eqn.params["branches"]) - 1))]
+            outs = _eval_outer(branch.jaxpr, branch.consts, ins[1:], records)
+        elif len(subs) == 1 and len(_jaxpr_of(subs[0]).invars) == len(ins):  # jit, custom_vjp/jvp, remat...
+            outs = _eval_outer(_jaxpr_of(subs[0]), _consts_of(subs[0]), ins, records)
+        else:
+            raise CostModelError(f"a pallas_call inside {name!r} cannot be modelled (only jit-like calls and cond)")
+        for v, x in zip(eqn.outvars, outs):
+            if not isinstance(v, jex_core.DropVar):
+                env[v] = x
+    return [read(v) for v in jaxpr.outvars]
 
 
 def estimate(fn: Callable, *args, **static) -> Cost:
@@ -471,7 +483,8 @@ class _Body:
         jaxpr = eqn.params["jaxpr"]
         scoped = []
         added = []
-        for v in jaxpr.invars[len(ins):]:
+        # the body's constvars are the eqn's operands; its invars are the scoped allocations
+        for v in jaxpr.invars:
             if _space(v.aval) == "smem":
                 key = max(list(self.state) + list(self.initial_state), default=-1) + 1 + len(added)
                 self.state[key] = jnp.zeros(v.aval.shape, v.aval.dtype)
@@ -479,7 +492,7 @@ class _Body:
                 scoped.append(_Ref(v.aval, key))
             else:
                 scoped.append(_Ref(v.aval))
-        outs = self.eval(jaxpr, [], list(ins) + scoped)
+        outs = self.eval(jaxpr, ins, scoped)
         for key in added:
             self.state.pop(key, None)
         return outs
