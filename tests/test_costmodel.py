@@ -208,3 +208,15 @@ def test_paged_attention_counts_page_copies():
     # compute blocks of 4 pages: 100 tokens -> 2 blocks, 57 -> 1 block; K and V, 2 kv heads
     page_bytes = 16 * 128 * 2
     assert cost.calls[0].dma_read_bytes == (2 + 1) * 4 * 2 * 2 * page_bytes
+
+
+def test_bulk_data_may_be_abstract_but_steering_values_not():
+    from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
+
+    sizes = jnp.array([100, 0, 200, 150], jnp.int32)
+    lhs = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16)
+    concrete = costmodel.estimate(megablox.gmm, jnp.ones(lhs.shape, lhs.dtype), jnp.ones(rhs.shape, rhs.dtype), sizes)
+    assert costmodel.estimate(megablox.gmm, lhs, rhs, sizes) == concrete
+    with pytest.raises(costmodel.CostModelError, match="abstract"):
+        costmodel.estimate(megablox.gmm, lhs, rhs, jax.ShapeDtypeStruct((4,), jnp.int32))

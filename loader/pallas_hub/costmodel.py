@@ -1,9 +1,8 @@
 """TPU cost model: what a Pallas TPU kernel moves and computes, for concrete inputs, without a TPU.
 
 ``estimate(fn, *args, **static)`` traces ``fn`` and evaluates the program up to every ``pallas_call``
-(so the concrete operands of each call, scalar-prefetch values included, are known; the call's
-outputs are replaced by zeros, which only matters if one kernel's output drives another's scalar
-prefetch). For
+(so the concrete operands of each call, scalar-prefetch values included, are known; bulk data may
+be passed as ShapeDtypeStructs and kernel outputs are never computed). For
 each call it then runs one compiled scan over the grid, in Pallas pipeline order (row-major, last
 axis fastest), that
 
@@ -137,8 +136,10 @@ def capture(fn: Callable, *args, **static) -> list[tuple[tuple, dict]]:
     """Trace ``fn`` and return (concrete operands, params) of every pallas_call it makes, in order.
 
     The traced program is evaluated eagerly up to each pallas_call (calls such as jit and
-    custom_vjp that contain kernels are inlined, a cond around a kernel takes its concrete branch);
-    each call's outputs are replaced by zeros (nothing is computed), so this is cheap at any size.
+    custom_vjp that contain kernels are inlined, a cond around a kernel takes its concrete branch).
+    Arguments given as ShapeDtypeStructs, kernel outputs and everything computed from them stay
+    abstract (never computed), so only what steers the kernels (group sizes, lengths, page
+    tables) costs anything, at any problem size.
     """
     closed = jax.make_jaxpr(functools.partial(fn, **static))(*args)
     records: list[tuple[tuple, dict]] = []
@@ -154,16 +155,20 @@ def _eval_outer(jaxpr, consts, args, records):
     env = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
     read = lambda v: v.val if isinstance(v, jex_core.Literal) else env[v]  # noqa: E731
+    abstract = lambda e: [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in e.outvars]  # noqa: E731
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
         name = eqn.primitive.name
         subs = [v for v in eqn.params.values() if isinstance(v, (jex_core.ClosedJaxpr, jex_core.Jaxpr))]
         if name == "pallas_call":
             records.append((tuple(ins), dict(eqn.params)))
-            outs = [jnp.zeros(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
+            outs = abstract(eqn)  # nothing is computed
         elif not any(_has_pallas_call(j) for v in eqn.params.values() for j in verify._sub_jaxprs(v)):
-            outs = eqn.primitive.bind(*ins, **eqn.params)
-            outs = list(outs) if eqn.primitive.multiple_results else [outs]
+            if any(isinstance(x, jax.ShapeDtypeStruct) for x in ins):
+                outs = abstract(eqn)  # data the kernels' control never sees stays abstract
+            else:
+                outs = eqn.primitive.bind(*ins, **eqn.params)
+                outs = list(outs) if eqn.primitive.multiple_results else [outs]
         elif name == "cond":
             branch = eqn.params["branches"][int(np.clip(int(ins[0]), 0, len(eqn.params["branches"]) - 1))]
             outs = _eval_outer(branch.jaxpr, branch.consts, ins[1:], records)
@@ -180,8 +185,10 @@ def _eval_outer(jaxpr, consts, args, records):
 def estimate(fn: Callable, *args, **static) -> Cost:
     """Model the HBM traffic, MXU flops and grid steps of every pallas_call ``fn(*args, **static)`` runs.
 
-    ``args`` must be concrete arrays (scalar-prefetch values such as group sizes or sequence
-    lengths decide what moves). Raises ValueError if ``fn`` makes no pallas_call.
+    ``args`` are arrays or ShapeDtypeStructs: what steers the kernels (group sizes, sequence
+    lengths, page tables: whatever reaches scalar prefetch or SMEM) must be concrete, the bulk
+    data (activations, weights, KV caches) may be abstract, so real model sizes cost no memory.
+    Raises ValueError if ``fn`` makes no pallas_call, CostModelError if a steering value is abstract.
     """
     records = capture(fn, *args, **static)
     if not records:
@@ -211,10 +218,15 @@ def _call_cost(operands: tuple, params: dict) -> CallCost:
     gm = params["grid_mapping"]
     kernel = params["jaxpr"]
     n_dyn = sum(1 for g in gm.grid if not isinstance(g, (int, np.integer)))
+    n_idx, n_in, n_out = gm.num_index_operands, gm.num_inputs, gm.num_outputs
+    for i, v in enumerate(operands[:n_dyn + n_idx]):
+        if isinstance(v, jax.ShapeDtypeStruct):
+            what = "a dynamic grid size" if i < n_dyn else f"scalar-prefetch operand {i - n_dyn}"
+            raise CostModelError(f"{what} of a pallas_call is abstract: pass the arrays it is computed from "
+                                 f"as concrete values (it may come from another kernel's output, which is never computed)")
     dyn = iter(int(np.asarray(v)) for v in operands[:n_dyn])
     grid = tuple(int(g) if isinstance(g, (int, np.integer)) else next(dyn) for g in gm.grid)
     operands = operands[n_dyn:]
-    n_idx, n_in, n_out = gm.num_index_operands, gm.num_inputs, gm.num_outputs
     prefetch = [jnp.asarray(v) for v in operands[:n_idx]]
     inputs = operands[n_idx:n_idx + n_in]
 
@@ -225,8 +237,12 @@ def _call_cost(operands: tuple, params: dict) -> CallCost:
     for i, v in enumerate(invars):
         if i < n_idx:
             refs.append(body.tracked_ref(v.aval, prefetch[i]))
-        elif i < n_idx + n_in and _space(v.aval) == "smem" and tuple(v.aval.shape) == tuple(np.shape(inputs[i - n_idx])):
-            refs.append(body.tracked_ref(v.aval, jnp.asarray(inputs[i - n_idx])))
+        elif i < n_idx + n_in and _space(v.aval) == "smem":
+            value = inputs[i - n_idx]
+            if isinstance(value, jax.ShapeDtypeStruct) or tuple(v.aval.shape) != tuple(value.shape):
+                raise CostModelError(f"SMEM input {i - n_idx} of a pallas_call steers the kernel but is abstract "
+                                     f"or blocked: pass the arrays it is computed from as concrete values")
+            refs.append(body.tracked_ref(v.aval, jnp.asarray(value)))
         elif _space(v.aval) == "smem":
             refs.append(body.tracked_ref(v.aval, jnp.zeros(v.aval.shape, v.aval.dtype)))
         else:
