@@ -128,6 +128,7 @@ def test_manual_dmas_counted_as_issued(n):
     (call,) = cost.calls
     assert call.dma_read_bytes == n * 16 * 128 * 4
     assert call.dma_write_bytes == 0
+    assert call.pipeline_steps == n  # each copy loop iteration is a step
     assert cost.hbm_read_bytes == n * 16 * 128 * 4 + 4  # + the scalar-prefetch operand
     assert cost.hbm_write_bytes == 16 * 128 * 4
 
@@ -220,3 +221,30 @@ def test_bulk_data_may_be_abstract_but_steering_values_not():
     assert costmodel.estimate(megablox.gmm, lhs, rhs, sizes) == concrete
     with pytest.raises(costmodel.CostModelError, match="abstract"):
         costmodel.estimate(megablox.gmm, lhs, rhs, jax.ShapeDtypeStruct((4,), jnp.int32))
+
+
+def test_tokamax_emit_pipeline_counts_like_megablox():
+    """tokamax runs megablox's pipeline by hand (emit_pipeline + DMAs): same traffic, flops and steps."""
+    from pallas_hub import anchors
+
+    lhs = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16)
+    sizes = jnp.array([100, 0, 200, 150], jnp.int32)
+    mb = costmodel.estimate(anchors.megablox_gmm, lhs, rhs, sizes)
+    tk = costmodel.estimate(anchors.tokamax_ragged_dot, lhs, rhs, sizes)
+    (call,) = tk.calls
+    assert call.grid == () and call.pipeline_steps == 24
+    assert tk.flops == mb.flops == 24 * 2 * 128 ** 3
+    assert call.dma_read_bytes == (24 + 24) * 128 * 128 * 2  # lhs and rhs blocks, every step
+    assert call.dma_write_bytes == mb.calls[0].hbm_write_bytes == 8 * 128 * 128 * 2
+
+
+def test_vmapped_kernel_program_ids_skip_the_batch_axis():
+    """splash in GQA form is vmapped over K/V heads; its causal block skipping must still count."""
+    from pallas_hub import anchors
+
+    q = jax.ShapeDtypeStruct((1, 2, 256, 128), jnp.float32)
+    k = jax.ShapeDtypeStruct((1, 2, 256, 128), jnp.float32)
+    cost = costmodel.estimate(functools.partial(anchors.splash_attention, scale=1.0), q, k, k)
+    assert cost.calls[0].grid == (2, 1, 2, 2)
+    assert cost.flops == 2 * 3 * 2 * 2 * 128 ** 3  # 2 heads x 3 causal block pairs x 2 dots

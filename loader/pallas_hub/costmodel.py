@@ -18,8 +18,9 @@ axis fastest), that
   counted as executed. Vector data never influences the count: a branch on vector data counts its
   most expensive side (an upper bound), and scan outputs are treated as unknown.
 
-Time per call = max(HBM bytes / bandwidth, flops / bf16 peak) + grid steps x per-step overhead
-(``pallas_hub.chips``); a function's time is the sum over its calls. Not modelled: XLA work outside
+Time per call = max(HBM bytes / bandwidth, flops / bf16 peak) + steps x per-step overhead
+(``pallas_hub.chips``), where steps are the grid's plus every iteration of an innermost loop of the
+kernel that starts DMAs (the steps of a software pipeline: ``emit_pipeline``, paged attention); a function's time is the sum over its calls. Not modelled: XLA work outside
 the kernels, megacore splitting of "parallel" axes, f32 matmul passes (flops are counted at the bf16
 peak), VMEM/compute overlap inefficiency. All of it is a model: never a measured TPU time.
 """
@@ -68,10 +69,12 @@ class CallCost:
     dma_write_bytes: int  # manual copies VMEM/SMEM -> HBM
     remote_bytes: int  # copies to other chips (ICI), not part of the HBM time
     flops: int
+    pipeline_steps: int = 0  # iterations of the kernel's own DMA loops (emit_pipeline, paged attention)
 
     @property
     def grid_steps(self) -> int:
-        return math.prod(self.grid)
+        """Pipeline steps that each pay the per-step overhead: the grid's, plus the kernel's own."""
+        return math.prod(self.grid) + self.pipeline_steps
 
     @property
     def hbm_read_bytes(self) -> int:
@@ -230,7 +233,9 @@ def _call_cost(operands: tuple, params: dict) -> CallCost:
     prefetch = [jnp.asarray(v) for v in operands[:n_idx]]
     inputs = operands[n_idx:n_idx + n_in]
 
-    body = _Body(kernel, grid)
+    # program_id/num_programs in the body count only the user's axes, not those vmap added
+    user_axes = [a for a in range(len(grid)) if a not in set(gm.vmapped_dims)]
+    body = _Body(kernel, grid, user_axes)
     # Kernel refs: *scalar_prefetch, *inputs, *outputs, *scratch. SMEM ones carry concrete values.
     invars = kernel.invars
     refs: list[Any] = []
@@ -280,16 +285,17 @@ def _call_cost(operands: tuple, params: dict) -> CallCost:
             traffic.append(OperandTraffic(str(bm.origin), "smem" if k < n_in else "output",
                                           _nbytes(bm.array_aval.shape, bm.array_aval.dtype), 1))
 
-    flops = dma_r = dma_w = remote = 0
+    flops = dma_r = dma_w = remote = inner = 0
     for site, n in zip(body.sites, counts):
         n = int(n)
         flops += site.flops * n
         dma_r += site.read_bytes * n
         dma_w += site.write_bytes * n
         remote += site.remote_bytes * n
+        inner += site.steps * n
     info = params.get("name_and_src_info") or params.get("name")
     name = str(getattr(info, "name", info) or "pallas_call")
-    return CallCost(name, grid, tuple(traffic), dma_r, dma_w, remote, flops)
+    return CallCost(name, grid, tuple(traffic), dma_r, dma_w, remote, flops, inner)
 
 
 @functools.lru_cache(maxsize=256)
@@ -329,6 +335,24 @@ class _Site:
     read_bytes: int = 0
     write_bytes: int = 0
     remote_bytes: int = 0
+    steps: int = 0  # one iteration of a software-pipeline loop (a loop that starts DMAs)
+
+
+_LOOPS = ("while", "scan")
+
+
+def _starts_dma(jaxpr) -> bool:
+    return any(e.primitive.name == "dma_start" for e in verify._walk(jaxpr))
+
+
+def _is_pipeline_loop(eqn) -> bool:
+    """A loop whose iterations start DMAs and contain no inner such loop: each iteration is a step."""
+    if eqn.primitive.name not in _LOOPS:
+        return False
+    body = _jaxpr_of(eqn.params["body_jaxpr" if eqn.primitive.name == "while" else "jaxpr"])
+    return _starts_dma(body) and not any(
+        e.primitive.name in _LOOPS and _starts_dma(_jaxpr_of(e.params["body_jaxpr" if e.primitive.name == "while" else "jaxpr"]))
+        for e in verify._walk(body))
 
 
 _CALL_PARAMS = {"pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
@@ -372,11 +396,13 @@ class _Body:
     ``self.counts`` counts executions of every cost site (dot_general, dma_start) in this step.
     """
 
-    def __init__(self, kernel, grid):
+    def __init__(self, kernel, grid, user_axes):
         self.grid = grid
+        self.user_axes = user_axes
         self.kernel = kernel
         self.sites: list[_Site] = []
         self.site_index: dict[int, int] = {}
+        self.loop_index: dict[int, int] = {}
         self._collect(kernel)
         self.initial_state: dict[int, Any] = {}
         self.state: dict[int, Any] = {}
@@ -389,6 +415,9 @@ class _Body:
             if site is not None and id(eqn) not in self.site_index:
                 self.site_index[id(eqn)] = len(self.sites)
                 self.sites.append(site)
+            if _is_pipeline_loop(eqn) and id(eqn) not in self.loop_index:
+                self.loop_index[id(eqn)] = len(self.sites)
+                self.sites.append(_Site(steps=1))
             for value in eqn.params.values():
                 for sub in verify._sub_jaxprs(value):
                     self._collect(sub)
@@ -437,6 +466,10 @@ class _Body:
     def _unknown_outs(self, eqn):
         return [_Ref(v.aval) if hasattr(v.aval, "inner_aval") else UNKNOWN for v in eqn.outvars]
 
+    def _count_iteration(self, eqn, counts):
+        site = self.loop_index.get(id(eqn))
+        return counts if site is None else counts.at[site].add(1)
+
     def _count(self, eqn):
         self.counts = self.counts.at[self.site_index[id(eqn)]].add(1)
 
@@ -446,9 +479,9 @@ class _Body:
             self._count(eqn)
             return self._unknown_outs(eqn)
         if name == "program_id":
-            return [jnp.asarray(self.idx[p["axis"]], jnp.int32)]
+            return [jnp.asarray(self.idx[self.user_axes[p["axis"]]], jnp.int32)]
         if name == "num_programs":
-            return [jnp.asarray(self.grid[p["axis"]], jnp.int32)]
+            return [jnp.asarray(self.grid[self.user_axes[p["axis"]]], jnp.int32)]
         if name in ("get", "swap", "addupdate"):
             return self._state_op(name, eqn, ins)
         if name == "cond":
@@ -594,6 +627,7 @@ class _Body:
             def body_fun(carry, mask=mask):
                 state, counts, kc = carry
                 st, ct, outs = self._traced(lambda: self.eval(bj.jaxpr, bj.consts, list(bc) + full(kc)), state, counts)
+                ct = self._count_iteration(eqn, ct)
                 new_mask = [m and self._known(o) for m, o in zip(mask, outs)]
                 if new_mask != mask:
                     retry.append(new_mask)
@@ -628,6 +662,7 @@ class _Body:
                 t = length - 1 - i if p["reverse"] else i
                 x = [jnp.asarray(a)[t] if k else UNKNOWN for a, k in zip(xs, xs_known)]
                 st, ct, outs = self._traced(lambda: self.eval(j.jaxpr, j.consts, list(consts) + c + x), state, counts)
+                ct = self._count_iteration(eqn, ct)
                 new_mask = [m and self._known(o) for m, o in zip(mask, outs[:ncarry])]
                 if new_mask != mask:
                     retry.append(new_mask)
