@@ -43,6 +43,25 @@ def tpu_info_on_cpu(chip: str = "v6e"):
 
 # --------------------------------------------------------------------------- MoE: grouped matmul
 
+GMM_ROW_MULTIPLE = 128  # megablox's default tile_m, and tokamax's minimum dimension
+
+
+def _padded_rows(fn):
+    """Both grouped matmuls need m to be a multiple of 128: callers pad rows (outside every group)
+    and slice them off, as done here. The padding is part of what the kernel then moves."""
+
+    @functools.wraps(fn)
+    def wrapper(lhs, rhs, group_sizes):
+        m = lhs.shape[0]
+        pad = -m % GMM_ROW_MULTIPLE
+        if pad:
+            lhs = jnp.pad(lhs, ((0, pad), (0, 0)))
+        return fn(lhs, rhs, group_sizes)[:m]
+
+    return wrapper
+
+
+@_padded_rows
 def megablox_gmm(lhs, rhs, group_sizes):
     from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
 
@@ -64,6 +83,7 @@ def _tokamax_op():
     return AnyDeviceRaggedDot()
 
 
+@_padded_rows
 def tokamax_ragged_dot(lhs, rhs, group_sizes):
     with tpu_info_on_cpu():
         return _tokamax_op()(lhs, rhs, group_sizes=group_sizes)

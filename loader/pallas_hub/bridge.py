@@ -257,3 +257,45 @@ def jax_op(
     op.register_fake(fake_impl)
     op.jax_fn = fn  # the JAX function, for benchmarks and AOT compilation
     return op
+
+
+# --------------------------------------------------------------------------- benchmarks
+
+def synchronize(*values: Any) -> None:
+    """Wait until the device work producing ``values`` (tensors, JAX arrays, tuples of them) is done.
+
+    ``kernels benchmark`` synchronises only CUDA/XPU/MPS, so on TorchTPU it would time dispatch;
+    kernel benchmarks call this (``self.kernel._bridge.synchronize(self.out)``) after each run.
+    JAX arrays are waited on directly; torch tensors on an accelerator through
+    ``torch.accelerator.synchronize`` (or ``torch.<device>.synchronize``), else by copying one
+    element to the host, which waits for its producer. CPU tensors are already done.
+    """
+    flat: list[Any] = []
+    stack = list(values)
+    while stack:
+        v = stack.pop()
+        if isinstance(v, (tuple, list)):
+            stack.extend(v)
+        elif v is not None:
+            flat.append(v)
+    synced = set()
+    for v in flat:
+        if hasattr(v, "block_until_ready"):
+            v.block_until_ready()
+            continue
+        device = getattr(v, "device", None)
+        kind = getattr(device, "type", "cpu")
+        if kind in ("cpu", "meta") or str(device) in synced:
+            continue
+        synced.add(str(device))
+        accelerator = getattr(torch, "accelerator", None)
+        try:
+            accelerator.synchronize(device)
+            continue
+        except Exception:  # no torch.accelerator, or the backend does not implement it
+            pass
+        backend = getattr(torch, kind, None)
+        if backend is not None and hasattr(backend, "synchronize"):
+            backend.synchronize()
+        else:
+            v.reshape(-1)[:1].to("cpu")
