@@ -69,6 +69,14 @@ def cmd_demo(args) -> int:
     return cmd_check(argparse.Namespace(kernels=None, path=None, chips=None))
 
 
+def cmd_bench(args) -> int:
+    from . import bench
+
+    families = tuple(args.families.split(",")) if args.families else ("moe", "prefill", "decode")
+    result = bench.run(families, bridge=not args.no_bridge, xla=not args.no_xla)
+    return 0 if all(r.get("check", {}).get("ok", True) for r in result["rows"] if r["status"] == "ok") else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pallas-hub", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -84,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     kernel_args(p)
     p.add_argument("--chips", help="comma-separated subset of v5e,v6e,tpu7x")
     p.set_defaults(fn=cmd_check)
+    p = sub.add_parser("bench", help="ours beside the anchors on real model shapes (TPU cost model), checks, bridge overhead")
+    p.add_argument("--families", help="comma-separated subset of moe,prefill,decode")
+    p.add_argument("--no-bridge", action="store_true", help="skip the bridge overhead measurement")
+    p.add_argument("--no-xla", action="store_true", help="skip the XLA:TPU matmul comparison")
+    p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("demo", help="the main job (see README)")
     p.set_defaults(fn=cmd_demo)
     args = parser.parse_args(argv)
