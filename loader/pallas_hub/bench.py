@@ -305,7 +305,7 @@ def run_row(problem: Problem, impl: Impl, checks: dict, chips=DEFAULT_CHIPS) -> 
     return row
 
 
-def xla_matmul_comparison(shapes=((1024, 1024, 1024), (2048, 2048, 1536), (8192, 2048, 768)),
+def xla_matmul_comparison(shapes=((1024, 1024, 1024), (2048, 2048, 1536), (8192, 2048, 1536)),
                           chips=DEFAULT_CHIPS, block=(512, 512, 512), progress=print) -> list[dict]:
     """The cost model on jax's Pallas matmul beside XLA:TPU's cost analysis of jnp.dot (compiled here)."""
     from jax.experimental.pallas.ops.tpu import matmul as pallas_matmul
