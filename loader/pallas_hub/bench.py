@@ -217,6 +217,22 @@ class Impl:
     family: str
     fn: Callable | None  # None: not available (``missing`` says why)
     missing: str | None = None
+    prepare: Callable | None = None  # the problem's arrays into this kernel's layout, outside cost and timing
+    per_chip: bool = False  # fn takes chip= and picks its tiling for that generation
+
+    def call(self, kwargs: dict, chip: str | None = None) -> Callable:
+        f = functools.partial(self.fn, **kwargs)
+        return functools.partial(f, chip=chip) if self.per_chip and chip else f
+
+    def args(self, args: tuple) -> tuple:
+        return tuple(self.prepare(*args)) if self.prepare else tuple(args)
+
+
+def _transpose(x, perm):
+    """jnp.transpose that also maps a ShapeDtypeStruct (bulk data stays abstract)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(tuple(x.shape[i] for i in perm), x.dtype)
+    return jnp.transpose(x, perm)
 
 
 ANCHORS = {
@@ -227,14 +243,33 @@ ANCHORS = {
 OURS = {"ragged_dot": "moe", "flash_attention": "prefill", "paged_attention": "decode"}
 
 
-def _ours_adapter(key: str, module) -> Callable:
+def _ours(key: str, family: str, module) -> Impl:
     """Our kernel's JAX entry point in the problem's calling convention (see ``Problem``)."""
     import importlib
 
     pallas = importlib.import_module(module.__name__ + ".pallas")
+    name = f"ours: {key}"
     if key == "ragged_dot":
-        return lambda lhs, rhs, group_sizes: pallas.ragged_dot(lhs, rhs, group_sizes)
-    raise NotImplementedError(f"no bench adapter for kernel {key!r} yet")
+        def fn(lhs, rhs, group_sizes, chip="v6e"):
+            return pallas.gmm(lhs, rhs, group_sizes, chip=chip)
+
+        return Impl(name, "ours", family, fn, per_chip=True)
+    if key == "flash_attention":
+        def fn(q, k, v, *, scale, chip="v6e"):
+            return pallas.flash_attention(q, k, v, scale=scale, causal=True, chip=chip)
+
+        return Impl(name, "ours", family, fn, per_chip=True)
+    if key == "paged_attention":
+        def prepare(q, k_pages, v_pages, lengths, page_indices):
+            # transformers' cache layout [P, page, Hkv, D] is this kernel's own: no copy in real use
+            return q, _transpose(k_pages, (1, 2, 0, 3)), _transpose(v_pages, (1, 2, 0, 3)), lengths, page_indices
+
+        def fn(q, k_pages, v_pages, lengths, page_indices, *, scale):
+            cu_q_lens = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)  # decode: one new token per sequence
+            return pallas.ragged_paged_attention(q, k_pages, v_pages, lengths, page_indices, cu_q_lens, scale=scale)
+
+        return Impl(name, "ours", family, fn, prepare=prepare)
+    raise NotImplementedError(f"no bench adapter for kernel {key!r}")
 
 
 def implementations(families, kernels_dir: Path | None = None, progress=print) -> list[Impl]:
@@ -254,7 +289,7 @@ def implementations(families, kernels_dir: Path | None = None, progress=print) -
         try:
             out = Path(kernels_dir) / key if kernels_dir else None
             module = load_built(build_kernel(present[key], out))
-            impls.append(Impl(name, "ours", family, _ours_adapter(key, module)))
+            impls.append(_ours(key, family, module))
         except Exception as e:  # report, never fake a row
             impls.append(Impl(name, "ours", family, None, f"could not load: {verify.first_line(e)}"))
             progress(f"  {name}: {impls[-1].missing}")
@@ -272,7 +307,7 @@ def _check(impl: Impl, problem: Problem, cache: dict) -> dict:
         try:
             c = problem.check()
             with verify.interpret("fast"):
-                out = jax.jit(functools.partial(impl.fn, **c.kwargs))(*c.args)
+                out = jax.jit(impl.call(c.kwargs, "v6e"))(*impl.args(c.args))
             out = np.asarray(jnp.asarray(out, jnp.float32))
             ref = np.asarray(c.reference, np.float32)
             err = float(np.max(np.abs(out - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
@@ -290,17 +325,25 @@ def run_row(problem: Problem, impl: Impl, checks: dict, chips=DEFAULT_CHIPS) -> 
         return {**row, "status": "missing", "error": impl.missing}
     start = time.perf_counter()
     try:
-        cost = costmodel.estimate(functools.partial(impl.fn, **problem.kwargs), *problem.args)
+        args = impl.args(problem.args)
+        # a kernel that tiles per generation is modelled once per chip, with that chip's tiling
+        costs = {c: costmodel.estimate(impl.call(problem.kwargs, c), *args)
+                 for c in (chips if impl.per_chip else (None,))}
     except Exception as e:
         return {**row, "status": "error", "error": verify.first_line(e), "check": _check(impl, problem, checks)}
+    cost_of = lambda c: costs.get(c, costs.get(None))  # noqa: E731
+    cost = cost_of("v6e")
     row.update(
         status="ok", hbm_read_bytes=cost.hbm_read_bytes, hbm_write_bytes=cost.hbm_write_bytes,
         hbm_bytes=cost.hbm_bytes, flops=cost.flops, steps=cost.grid_steps, calls=len(cost.calls),
-        modelled_s={c: cost.time(c) for c in chips},
-        roofline={c: costmodel.roofline_fraction(cost, problem.min_bytes, problem.min_flops, c) for c in chips},
+        modelled_s={c: cost_of(c).time(c) for c in chips},
+        roofline={c: costmodel.roofline_fraction(cost_of(c), problem.min_bytes, problem.min_flops, c) for c in chips},
         ideal_s={c: costmodel.ideal_time(problem.min_bytes, problem.min_flops, c) for c in chips},
         model_seconds=time.perf_counter() - start,
     )
+    if impl.per_chip:
+        row["per_chip"] = {c: {"hbm_bytes": costs[c].hbm_bytes, "flops": costs[c].flops, "steps": costs[c].grid_steps}
+                           for c in chips}
     row["check"] = _check(impl, problem, checks)
     return row
 
@@ -442,6 +485,7 @@ def tables(result: dict) -> str:
              "Roofline = ideal time (the problem's minimum bytes and flops at the chip's roofline) / modelled time. "
              "Check = CPU interpret-mode output vs a plain-JAX f32 reference (max |err| / max |ref|), at the reduced shape given below.",
              "",
+             "Bytes, flops and steps are v6e's; kernels that tile per generation are modelled per chip.", "",
              "| problem | implementation | HBM bytes | flops | steps | v5e | v6e | TPU7x | roofline v5e / v6e / 7x | check |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:

@@ -10,7 +10,6 @@ put beside the modelled one. Qwen3-30B-A3B-shaped MoE decode layers (transformer
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable
 
 from . import timing
@@ -54,9 +53,10 @@ def time_rows(problems, impls, model_rows, *, chip: str | None, device: str, run
 
     rows = []
     for i, p in enumerate(problems):
-        args = materialize(p.args, seed=i)
+        data = materialize(p.args, seed=i)
         for impl in (x for x in impls if x.family == p.family and x.fn is not None):
-            fn = jax.jit(functools.partial(impl.fn, **p.kwargs))
+            fn = jax.jit(impl.call(p.kwargs, chip))
+            args = impl.args(data)
             modelled = next((r["modelled_s"].get(chip) for r in model_rows
                              if r["problem"] == p.name and r["impl"] == impl.name and r["status"] == "ok"), None)
             kw = {"clock": clock} if clock else {}
@@ -113,14 +113,24 @@ def moe_decode_layers(experts_impls: dict[str, Callable | None], *, device: str,
 def run(problems, impls, model_rows, *, progress=print, **kw) -> dict[str, Any]:
     """On a TPU host: time every row and the MoE decode layers (grouped_mm vs ours)."""
     jax_device = jax.devices()[0]
+    if jax_device.platform != "tpu":
+        msg = (f"this host has TPU chips but JAX runs on {jax_device.platform}: "
+               "run with JAX_PLATFORMS=tpu to time on the TPU")
+        progress("  " + msg)
+        return {"device": str(jax_device), "rows": [], "skipped": msg}
     chip = chip_of(jax_device)
     rows = time_rows(problems, impls, model_rows, chip=chip, device=str(jax_device), progress=progress, **kw)
     experts: dict[str, Callable | None] = {"grouped_mm": None}
     ours = _our_experts_forward()
     if ours is not None:
         experts["pallas_hub_ragged_dot"] = ours
-    layers = moe_decode_layers(experts, device="tpu", progress=progress)
-    return {"device": str(jax_device), "chip": chip, "rows": rows + layers,
+    try:
+        import torch_tpu  # noqa: F401  (TorchTPU: the 'tpu' torch device)
+
+        rows += moe_decode_layers(experts, device="tpu", progress=progress)
+    except ImportError:
+        progress("  torch_tpu is not installed: transformers' MoE layers are not timed")
+    return {"device": str(jax_device), "chip": chip, "rows": rows,
             "note": "measured on this TPU host: median of N runs after warm-up, synchronised"}
 
 
