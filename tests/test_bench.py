@@ -106,6 +106,13 @@ def test_tpu_path_with_stand_in_device_and_clock():
                                          clock=FakeClock([1e-3]), progress=lambda *_: None)
     assert [r["problem"] for r in layers] == ["Qwen3-30B-A3B MoE block decode B=1", "Qwen3-30B-A3B MoE block decode B=3"]
     assert all(r["median_s"] == pytest.approx(1e-3) for r in layers)
+    stand_in = types.SimpleNamespace(platform="tpu", device_kind="TPU v6 lite", __str__=lambda s: "TPU_0 (stand-in)")
+    out = tpu_bench.run(probs, impls, model_rows, jax_device=stand_in, runs=2, warmup=0, clock=FakeClock([3e-5]),
+                        interpret=True, progress=lambda *_: None)
+    assert out["chip"] == "v6e" and out["rows"][0]["median_s"] == pytest.approx(3e-5)
+    assert out["rows"][0]["modelled_s"] == 1e-5  # measured beside modelled, for the detected chip
+    cpu = tpu_bench.run(probs, impls, model_rows, progress=lambda *_: None)  # JAX on CPU: refuses to time
+    assert cpu["rows"] == [] and "JAX_PLATFORMS=tpu" in cpu["skipped"]
     assert tpu_bench.chip_of(types.SimpleNamespace(device_kind="TPU v6 lite")) == "v6e"
     assert tpu_bench.chip_of(types.SimpleNamespace(device_kind="cpu")) is None
 

@@ -110,9 +110,12 @@ def moe_decode_layers(experts_impls: dict[str, Callable | None], *, device: str,
     return rows
 
 
-def run(problems, impls, model_rows, *, progress=print, **kw) -> dict[str, Any]:
-    """On a TPU host: time every row and the MoE decode layers (grouped_mm vs ours)."""
-    jax_device = jax.devices()[0]
+def run(problems, impls, model_rows, *, progress=print, jax_device=None, **kw) -> dict[str, Any]:
+    """On a TPU host: time every row and the MoE decode layers (grouped_mm vs ours).
+
+    ``jax_device`` (default: JAX's first device) and ``kw`` (clock, sync, runs, warmup, interpret)
+    exist so the path can be exercised with stand-ins."""
+    jax_device = jax_device or jax.devices()[0]
     if jax_device.platform != "tpu":
         msg = (f"this host has TPU chips but JAX runs on {jax_device.platform}: "
                "run with JAX_PLATFORMS=tpu to time on the TPU")
@@ -120,16 +123,16 @@ def run(problems, impls, model_rows, *, progress=print, **kw) -> dict[str, Any]:
         return {"device": str(jax_device), "rows": [], "skipped": msg}
     chip = chip_of(jax_device)
     rows = time_rows(problems, impls, model_rows, chip=chip, device=str(jax_device), progress=progress, **kw)
-    experts: dict[str, Callable | None] = {"grouped_mm": None}
-    ours = _our_experts_forward()
-    if ours is not None:
-        experts["pallas_hub_ragged_dot"] = ours
     try:
         import torch_tpu  # noqa: F401  (TorchTPU: the 'tpu' torch device)
-
-        rows += moe_decode_layers(experts, device="tpu", progress=progress)
     except ImportError:
         progress("  torch_tpu is not installed: transformers' MoE layers are not timed")
+    else:
+        experts: dict[str, Callable | None] = {"grouped_mm": None}
+        ours = _our_experts_forward()
+        if ours is not None:
+            experts["pallas_hub_ragged_dot"] = ours
+        rows += moe_decode_layers(experts, device="tpu", progress=progress)
     return {"device": str(jax_device), "chip": chip, "rows": rows,
             "note": "measured on this TPU host: median of N runs after warm-up, synchronised"}
 
