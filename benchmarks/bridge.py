@@ -140,9 +140,11 @@ def _breakdown(calls: int, warmup: int) -> dict:
     return {
         "torch custom-op dispatch (no-op op)": med(lambda: noop(t)) - med(lambda: t.clone()),
         "torch->jax DLPack import": med(lambda: to_jax(t)),
-        "jit call, plain": med(lambda: raw(x).block_until_ready()),
-        "jit call, inside interpret-mode context": med(in_interpret_mode),
-        "jax->torch DLPack export": med(lambda: to_torch([y], [t])),
+        "jit call on a JAX array": med(lambda: raw(x).block_until_ready()),
+        "jit call inside the interpret-mode context": med(in_interpret_mode),
+        "DLPack import + jit call on the fresh array": med(lambda: raw(to_jax(t)).block_until_ready()),
+        "jit call + DLPack export of its fresh output": med(lambda: to_torch([raw(x)], [t])),
+        "jax->torch DLPack export of a ready array": med(lambda: to_torch([y], [t])),
     }
 
 
