@@ -13,7 +13,7 @@ import torch
 from pallas_hub import anchors, bench, bridge, costmodel, timing, tpu_bench
 from pallas_hub.manifest import ROOT
 
-TINY = bench.Model("tiny", hidden=256, experts=8, top_k=2, moe_intermediate=128, q_heads=8, kv_heads=1, head_dim=128)
+TINY = bench.Model("tiny", hidden=256, experts=8, top_k=2, moe_intermediate=128, q_heads=8, kv_heads=1, head_dim=128, short="tiny")
 
 
 class FakeClock:
@@ -69,21 +69,21 @@ def test_bench_run_writes_json_plots_and_readme(tmp_path):
     result = bench.run(("moe", "decode"), out_dir=tmp_path, readme=readme, bridge=False, xla=False, measure=False,
                        progress=lines.append, problem_list=probs, impl_list=impls)
     rows = {(r["problem"], r["impl"]): r for r in result["rows"]}
-    assert rows[("gate_up T=8", "ours: ragged_dot")]["status"] == "missing"  # never a faked row
-    mb = rows[("gate_up T=8", "jax megablox gmm")]
+    assert rows[("tiny gate_up T=8", "ours: ragged_dot")]["status"] == "missing"  # never a faked row
+    mb = rows[("tiny gate_up T=8", "jax megablox gmm")]
     assert mb["status"] == "ok" and mb["check"]["ok"], mb
     assert mb["flops"] >= mb["min_flops"] and mb["hbm_bytes"] >= mb["min_bytes"]
     assert 0 < mb["roofline"]["v6e"] <= 1
-    pa = rows[("decode B=2", "jax paged_attention")]
+    pa = rows[("tiny decode B=2", "jax paged_attention")]
     assert pa["status"] == "ok" and pa["check"]["ok"], pa
-    assert any("gate_up T=8" in line for line in lines)  # progress while running
+    assert any("tiny gate_up T=8" in line for line in lines)  # progress while running
     saved = json.loads((tmp_path / "bench.json").read_text())
     assert saved["rows"] == json.loads(json.dumps(result["rows"]))
     for png in ("roofline.png", "modelled_time.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = readme.read_text()
-    assert "Hand-written intro." in text and "| gate_up T=8 | jax megablox gmm |" in text
-    assert "| gate_up T=8 | ours: ragged_dot | missing" in text
+    assert "Hand-written intro." in text and "| tiny gate_up T=8 | jax megablox gmm |" in text
+    assert "| tiny gate_up T=8 | ours: ragged_dot | missing" in text
     bench.render_readme(saved, readme)  # regenerating from the JSON replaces the table, keeps the rest
     assert readme.read_text().count(bench.MARK_BEGIN) == 1 and "Hand-written intro." in readme.read_text()
 
@@ -92,7 +92,7 @@ def test_tpu_path_with_stand_in_device_and_clock():
     """The TPU timing path, run on CPU with a fake clock: it claims nothing about TPU speed."""
     probs = [bench.moe_problem(TINY, 8, "down")]
     impls = [bench.Impl("jax megablox gmm", "anchor", "moe", anchors.megablox_gmm)]
-    model_rows = [{"problem": "down T=8", "impl": "jax megablox gmm", "status": "ok", "modelled_s": {"v6e": 1e-5}}]
+    model_rows = [{"problem": "tiny down T=8", "impl": "jax megablox gmm", "status": "ok", "modelled_s": {"v6e": 1e-5}}]
     synced = []
     rows = tpu_bench.time_rows(probs, impls, model_rows, chip="v6e", device="stand-in", runs=3, warmup=1,
                                clock=FakeClock([2e-5]), sync=lambda out: synced.append(out), interpret=True,

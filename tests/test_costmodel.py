@@ -248,3 +248,17 @@ def test_vmapped_kernel_program_ids_skip_the_batch_axis():
     cost = costmodel.estimate(functools.partial(anchors.splash_attention, scale=1.0), q, k, k)
     assert cost.calls[0].grid == (2, 1, 2, 2)
     assert cost.flops == 2 * 3 * 2 * 2 * 128 ** 3  # 2 heads x 3 causal block pairs x 2 dots
+
+
+def test_copies_with_run_time_sizes_count_what_is_issued():
+    """tokamax's emit_pipeline copies partial edge blocks (k = 200 = 128 + 72) with run-time sizes."""
+    from pallas_hub import anchors
+
+    lhs = jax.ShapeDtypeStruct((128, 200), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((2, 200, 128), jnp.bfloat16)
+    cost = costmodel.estimate(anchors.tokamax_ragged_dot, lhs, rhs, jnp.array([100, 28], jnp.int32))
+    (call,) = cost.calls
+    assert call.pipeline_steps == 4  # 2 groups in the one m tile x 2 k blocks
+    full = 4 * (128 * 128 * 2) * 2  # lhs and rhs blocks, whole, every step
+    clipped = 2 * 2 * (128 * 128 + 128 * 72) * 2  # both clipped to the 72 valid columns/rows at the edge
+    assert clipped <= call.dma_read_bytes < full

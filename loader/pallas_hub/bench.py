@@ -1,7 +1,7 @@
 """pallas-hub bench: our kernels beside the anchors on real model shapes, by the TPU cost model.
 
 One run produces, for every kernel in the manifest and every shape of DESIGN.md "Shapes that
-matter" (Qwen3-30B-A3B here): modelled HBM bytes, MXU flops, steps, time and roofline fraction on
+matter" (Qwen3-30B-A3B, and GPT-OSS-20B on fewer shapes): modelled HBM bytes, MXU flops, steps, time and roofline fraction on
 v5e, v6e and TPU7x (``pallas_hub.costmodel``; a model, never a TPU measurement), the CPU
 interpret-mode correctness of each implementation (at a reduced shape, stated in the row), the
 bridge overhead measured on this machine (``benchmarks/bridge.py``) and the cost model's
@@ -48,13 +48,21 @@ class Model:
     q_heads: int
     kv_heads: int
     head_dim: int
+    short: str = ""
+    moe_tokens: tuple = (1, 8, 64, 256, 2048, 8192)  # decode batches and prefill lengths
+    prefill_tokens: tuple = (2048, 8192)
+    decode_batches: tuple = (1, 8, 64, 256)
 
 
 # transformers' Qwen3MoeConfig for Qwen/Qwen3-30B-A3B (checked against its config.json fields)
 QWEN3_30B_A3B = Model("Qwen3-30B-A3B", hidden=2048, experts=128, top_k=8, moe_intermediate=768,
-                      q_heads=32, kv_heads=4, head_dim=128)
-DECODE_BATCHES = (1, 8, 64, 256)
-PREFILL_TOKENS = (2048, 8192)
+                      q_heads=32, kv_heads=4, head_dim=128, short="Qwen3")
+# openai/gpt-oss-20b's config.json (transformers' GptOssConfig defaults are the 120b: 128 experts);
+# fewer shapes, to keep the run short. Gemma 4 26B-A4B is left out: its config is not available here.
+GPT_OSS_20B = Model("GPT-OSS-20B", hidden=2880, experts=32, top_k=4, moe_intermediate=2880,
+                    q_heads=64, kv_heads=8, head_dim=64, short="GPT-OSS",
+                    moe_tokens=(1, 64, 256, 2048), prefill_tokens=(2048,), decode_batches=(1, 64))
+MODELS = (QWEN3_30B_A3B, GPT_OSS_20B)
 DECODE_CONTEXT = (1024, 4096)  # each sequence's context length, uniform in this range (seeded)
 PAGE_SIZE = 16
 
@@ -113,7 +121,7 @@ def moe_problem(m: Model, tokens: int, projection: str) -> Problem:
     active = int((sizes > 0).sum())
     ct = min(tokens, 16)
     return Problem(
-        "moe", m.name, f"{projection} T={tokens}",
+        "moe", m.name, f"{m.short} {projection} T={tokens}",
         {"tokens": tokens, "rows": rows, "k": k, "n": n, "experts": m.experts, "active_experts": active},
         (_sds((rows, k)), _sds((m.experts, k, n)), jnp.asarray(sizes)), {},
         min_bytes=2 * (rows * k + active * k * n + rows * n), min_flops=2 * rows * k * n,
@@ -147,12 +155,12 @@ def _prefill_check(m: Model) -> Check:
 def prefill_problem(m: Model, tokens: int) -> Problem:
     hq, hkv, d = m.q_heads, m.kv_heads, m.head_dim
     return Problem(
-        "prefill", m.name, f"causal S={tokens}",
+        "prefill", m.name, f"{m.short} causal S={tokens}",
         {"batch": 1, "tokens": tokens, "q_heads": hq, "kv_heads": hkv, "head_dim": d},
         (_sds((1, hq, tokens, d)), _sds((1, hkv, tokens, d)), _sds((1, hkv, tokens, d))),
         {"scale": 1 / math.sqrt(d)},
         min_bytes=2 * (2 * hq + 2 * hkv) * tokens * d, min_flops=4 * hq * d * tokens * (tokens + 1) // 2,
-        check=functools.partial(_prefill_check, m), check_key=("prefill",))
+        check=functools.partial(_prefill_check, m), check_key=("prefill", hq // hkv, d))
 
 
 def _paged_inputs(lengths: np.ndarray, seed: int):
@@ -189,22 +197,23 @@ def decode_problem(m: Model, batch: int) -> Problem:
     ctx = int(lengths.sum())
     cb = min(batch, 4)
     return Problem(
-        "decode", m.name, f"decode B={batch}",
+        "decode", m.name, f"{m.short} decode B={batch}",
         {"batch": batch, "context_tokens": ctx, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "page": PAGE_SIZE},
         (_sds((batch, hq, d)), _sds((hkv, total, PAGE_SIZE, d)), _sds((hkv, total, PAGE_SIZE, d)),
          jnp.asarray(lengths), jnp.asarray(table)), {"scale": 1 / math.sqrt(d)},
         min_bytes=2 * (2 * hkv * ctx * d + 2 * batch * hq * d), min_flops=4 * hq * d * ctx,
-        check=functools.partial(_decode_check, m, cb), check_key=("decode", cb))
+        check=functools.partial(_decode_check, m, cb), check_key=("decode", cb, hq // hkv, d))
 
 
-def problems(m: Model = QWEN3_30B_A3B, families=("moe", "prefill", "decode")) -> list[Problem]:
+def problems(models=MODELS, families=("moe", "prefill", "decode")) -> list[Problem]:
     out = []
-    if "moe" in families:
-        out += [moe_problem(m, t, p) for p in ("gate_up", "down") for t in DECODE_BATCHES + PREFILL_TOKENS]
-    if "prefill" in families:
-        out += [prefill_problem(m, t) for t in PREFILL_TOKENS]
-    if "decode" in families:
-        out += [decode_problem(m, b) for b in DECODE_BATCHES]
+    for m in models:
+        if "moe" in families:
+            out += [moe_problem(m, t, p) for p in ("gate_up", "down") for t in m.moe_tokens]
+        if "prefill" in families:
+            out += [prefill_problem(m, t) for t in m.prefill_tokens]
+        if "decode" in families:
+            out += [decode_problem(m, b) for b in m.decode_batches]
     return out
 
 
@@ -405,7 +414,7 @@ def run(families=("moe", "prefill", "decode"), *, out_dir: Path = RESULTS, readm
             rows.append(row)
             progress(_progress_line(i + 1, len(probs), row, time.perf_counter() - t0))
     result = {"generated_by": "pallas-hub bench", "chips": list(DEFAULT_CHIPS),
-              "models": [dataclasses.asdict(QWEN3_30B_A3B)], "rows": rows,
+              "models": [dataclasses.asdict(m) for m in MODELS if m.name in {p.model for p in probs}], "rows": rows,
               "note": "modelled_s and roofline are TPU cost-model outputs, not measurements"}
     if xla:
         progress("== cost model vs XLA:TPU cost analysis (plain matmuls, compiled ahead of time here)")

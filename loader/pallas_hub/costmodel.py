@@ -270,7 +270,8 @@ def _call_cost(operands: tuple, params: dict) -> CallCost:
         return body.state, (counts, blocks)
 
     _, (counts, blocks) = jax.jit(lambda s: lax.scan(step, s, jnp.arange(n_steps, dtype=jnp.int32)))(init_state)
-    counts = np.asarray(counts, dtype=np.int64).sum(axis=0) if body.sites else np.zeros((0,), np.int64)
+    counts = np.rint(np.asarray(counts, dtype=np.float64).sum(axis=0)).astype(np.int64) if body.sites \
+        else np.zeros((0,), np.int64)
 
     traffic = []
     for (k, bm), b in zip(pipelined, blocks):
@@ -336,6 +337,7 @@ class _Site:
     write_bytes: int = 0
     remote_bytes: int = 0
     steps: int = 0  # one iteration of a software-pipeline loop (a loop that starts DMAs)
+    dynamic: bool = False  # a copy whose size is only known at run time: counts carry its bytes
 
 
 _LOOPS = ("while", "scan")
@@ -380,8 +382,11 @@ def _site_cost(eqn) -> _Site | None:
         from jax._src.pallas.mosaic import primitives as mp
 
         src, dst, _, _, device_id = mp._dma_unflatten(eqn.params["tree"], [v.aval for v in eqn.invars])
-        nbytes = _nbytes(src.shape, src.dtype)
         s, d = _space(src), _space(dst)
+        if not all(isinstance(n, (int, np.integer)) for n in src.shape):  # e.g. a partial edge block
+            return _Site(read_bytes=int(s == "hbm"), write_bytes=int(d == "hbm"),
+                         remote_bytes=int(device_id is not None), dynamic=True)
+        nbytes = _nbytes(src.shape, src.dtype)
         if device_id is not None:
             return _Site(read_bytes=nbytes if s == "hbm" else 0, remote_bytes=nbytes)
         return _Site(read_bytes=nbytes if s == "hbm" else 0, write_bytes=nbytes if d == "hbm" else 0)
@@ -430,7 +435,8 @@ class _Body:
     def run_step(self, idx, state, refs):
         self.idx = idx
         self.state = dict(state)
-        self.counts = jnp.zeros((len(self.sites),), jnp.int32)
+        # executions per site in this step (float32: dynamic copies add their bytes instead of 1)
+        self.counts = jnp.zeros((len(self.sites),), jnp.float32)
         self.eval(self.kernel, [], refs)
         return self.counts
 
@@ -470,13 +476,36 @@ class _Body:
         site = self.loop_index.get(id(eqn))
         return counts if site is None else counts.at[site].add(1)
 
-    def _count(self, eqn):
-        self.counts = self.counts.at[self.site_index[id(eqn)]].add(1)
+    def _dynamic_bytes(self, eqn, ins):
+        """Bytes of a copy whose slice sizes are run-time values (unknown sizes: the whole dim)."""
+        from jax._src.indexing import Slice
+        from jax._src.pallas.mosaic import primitives as mp
+        from jax._src.state.indexing import NDIndexer
+
+        src = mp._dma_unflatten(eqn.params["tree"], ins)[0]
+        ref = getattr(src, "ref", src)
+        shape = list(ref.aval.shape)
+        for t in getattr(src, "transforms", ()):
+            if not isinstance(t, NDIndexer):
+                raise CostModelError(f"a copy with a run-time size through {type(t).__name__} is not modelled")
+            new = []
+            for idx, dim in zip(t.indices, shape):
+                if isinstance(idx, Slice):
+                    new.append(idx.size if self._known(idx.size) else dim)
+                elif np.shape(idx) != ():
+                    new.extend(np.shape(idx))
+            shape = new
+        n = jnp.asarray(np.dtype(ref.aval.dtype).itemsize, jnp.float32)
+        for d in shape:
+            n = n * jnp.asarray(d, jnp.float32)
+        return n
 
     def eqn(self, eqn, ins):
         name, p = eqn.primitive.name, eqn.params
         if id(eqn) in self.site_index:
-            self._count(eqn)
+            site = self.site_index[id(eqn)]
+            amount = self._dynamic_bytes(eqn, ins) if self.sites[site].dynamic else 1
+            self.counts = self.counts.at[site].add(amount)
             return self._unknown_outs(eqn)
         if name == "program_id":
             return [jnp.asarray(self.idx[self.user_axes[p["axis"]]], jnp.int32)]

@@ -79,7 +79,7 @@ def bars(result: dict, path: Path, chip: str = "v6e") -> None:
         ax.set_xticklabels(problems, fontsize=8, rotation=15)
         ax.set_yscale("log")
         ax.set_ylabel(f"modelled {chip} time (us)")
-        ax.set_title(f"{fam}: {rows[0]['model']} (cost model, not measured)", fontsize=10)
+        ax.set_title(f"{fam}: " + ", ".join(dict.fromkeys(r["model"] for r in rows)) + " (cost model, not measured)", fontsize=10)
         ax.legend(fontsize=7, ncol=3)
         ax.grid(True, axis="y", which="both", alpha=0.3)
     fig.tight_layout()
