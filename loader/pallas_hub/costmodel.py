@@ -1,28 +1,27 @@
 """TPU cost model: what a Pallas TPU kernel moves and computes, for concrete inputs, without a TPU.
 
-``estimate(fn, *args, **static)`` traces ``fn`` and evaluates the program up to every ``pallas_call``
-(so the concrete operands of each call, scalar-prefetch values included, are known; bulk data may
-be passed as ShapeDtypeStructs and kernel outputs are never computed). For
-each call it then runs one compiled scan over the grid, in Pallas pipeline order (row-major, last
-axis fastest), that
+``estimate(fn, *args, **static)`` traces ``fn`` and evaluates the program up to every ``pallas_call``,
+so each call's concrete operands (scalar-prefetch values included) are known. Bulk data may be
+passed as ShapeDtypeStructs, and kernel outputs are never computed. For each call one compiled scan
+walks the grid in Pallas pipeline order (row-major, last axis fastest) and
 
 * evaluates every BlockSpec index map: a pipelined block moves HBM->VMEM only when its block index
-  differs from the previous step's, and an output block is written back when its index changes and
-  at the end. Each move is the full block (Pallas DMAs the whole, padded, block on TPU; edge blocks
-  are not clipped to the array);
+  differs from the previous step's; an output block is written back when its index changes and at
+  the end. Each move is the whole block (Pallas DMAs padded edge blocks whole);
 * evaluates the kernel body's scalar control flow (program ids, SMEM/scalar-prefetch reads and
   writes, ``pl.when``/``lax.cond``, ``fori_loop``/``while``) on the concrete values, and counts each
   executed ``dot_general`` (MXU flops: 2 x output elements x contraction size) and each executed
-  ``make_async_copy(...).start()`` (manual DMAs: HBM->VMEM reads, VMEM->HBM writes; remote copies
-  are counted apart). So ragged kernels that skip steps, and paged attention's page copies, are
-  counted as executed. Vector data never influences the count: a branch on vector data counts its
-  most expensive side (an upper bound), and scan outputs are treated as unknown.
+  ``make_async_copy(...).start()`` (manual DMAs, with run-time sizes where the kernel computes
+  them: HBM->VMEM reads, VMEM->HBM writes; remote copies apart). So skipped steps, ``pl.when``
+  guarded dots, ``emit_pipeline`` (tokamax) and paged attention's page copies count as executed.
+  Vector data never steers the count: a branch on vector data counts its most expensive side (an
+  upper bound), and loop outputs that are vector data stay unknown.
 
 Time per call = max(HBM bytes / bandwidth, flops / bf16 peak) + steps x per-step overhead
-(``pallas_hub.chips``), where steps are the grid's plus every iteration of an innermost loop of the
-kernel that starts DMAs (the steps of a software pipeline: ``emit_pipeline``, paged attention); a function's time is the sum over its calls. Not modelled: XLA work outside
-the kernels, megacore splitting of "parallel" axes, f32 matmul passes (flops are counted at the bf16
-peak), VMEM/compute overlap inefficiency. All of it is a model: never a measured TPU time.
+(``pallas_hub.chips``); steps are the grid's plus every iteration of an innermost kernel loop that
+starts DMAs (a software pipeline's steps). A function's time is the sum over its calls. Not
+modelled: XLA work outside the kernels, megacore splitting of "parallel" axes, f32 MXU passes (all
+flops at the bf16 peak), and inefficiency inside a step. A model, never a measured TPU time.
 """
 
 from __future__ import annotations
@@ -221,7 +220,7 @@ def _call_cost(operands: tuple, params: dict) -> CallCost:
     gm = params["grid_mapping"]
     kernel = params["jaxpr"]
     n_dyn = sum(1 for g in gm.grid if not isinstance(g, (int, np.integer)))
-    n_idx, n_in, n_out = gm.num_index_operands, gm.num_inputs, gm.num_outputs
+    n_idx, n_in = gm.num_index_operands, gm.num_inputs
     for i, v in enumerate(operands[:n_dyn + n_idx]):
         if isinstance(v, jax.ShapeDtypeStruct):
             what = "a dynamic grid size" if i < n_dyn else f"scalar-prefetch operand {i - n_dyn}"
