@@ -13,10 +13,18 @@ from pallas_hub.build import build_kernel
 FIXTURE = mf.ROOT / "tests" / "fixtures" / "scale_add"
 
 # The format kernel authors follow: a kernels.benchmark.Benchmark subclass whose benchmark_* methods
-# end with the vendored bridge's synchronize (a no-op on CPU, a device sync on TorchTPU).
+# end with the vendored bridge's synchronize (a no-op on CPU, a device sync on TorchTPU), imported by
+# module name: a reloaded kernel package may lack the ``_bridge`` attribute although the module exists.
 EXAMPLE = '''
+import importlib
+
 import torch
 from kernels.benchmark import Benchmark
+
+
+def synchronize(kernel, out):
+    """Wait for the device (kernels benchmark does not synchronise TPUs): the vendored bridge's helper."""
+    importlib.import_module(kernel.__name__ + "._bridge").synchronize(out)
 
 
 class ScaleAddBenchmark(Benchmark):
@@ -28,7 +36,7 @@ class ScaleAddBenchmark(Benchmark):
 
     def benchmark_scale_add(self):
         self.out = self.kernel.scale_add(self.x, self.y, 2.0)
-        self.kernel._bridge.synchronize(self.out)
+        synchronize(self.kernel, self.out)
 
     def verify_scale_add(self):
         return 2.0 * self.x + self.y
@@ -69,6 +77,7 @@ def test_example_benchmark_format_runs_under_kernels_runner(tmp_path):
 @pytest.mark.parametrize("spec,script", _benchmark_files(), ids=lambda x: getattr(x, "name", str(x)))
 def test_kernel_benchmarks_run_and_synchronise(spec, script, tmp_path):
     assert "synchronize(" in script.read_text(), (
-        f"{script}: call self.kernel._bridge.synchronize(out) in each benchmark_ method; "
+        f"{script}: synchronise in each benchmark_ method (importlib.import_module(self.kernel.__name__ + "
+        "'._bridge').synchronize(out)); "
         "kernels benchmark does not synchronise TPUs")
     _run_with_kernels_runner(spec, script, tmp_path)

@@ -265,7 +265,8 @@ def synchronize(*values: Any) -> None:
     """Wait until the device work producing ``values`` (tensors, JAX arrays, tuples of them) is done.
 
     ``kernels benchmark`` synchronises only CUDA/XPU/MPS, so on TorchTPU it would time dispatch;
-    kernel benchmarks call this (``self.kernel._bridge.synchronize(self.out)``) after each run.
+    kernel benchmarks call this after each run, as
+    ``importlib.import_module(self.kernel.__name__ + "._bridge").synchronize(self.out)``.
     JAX arrays are waited on directly; torch tensors on an accelerator through
     ``torch.accelerator.synchronize`` (or ``torch.<device>.synchronize``), else by copying one
     element to the host, which waits for its producer. CPU tensors are already done.
