@@ -350,6 +350,10 @@ def run_row(problem: Problem, impl: Impl, checks: dict, chips=DEFAULT_CHIPS) -> 
         ideal_s={c: costmodel.ideal_time(problem.min_bytes, problem.min_flops, c) for c in chips},
         model_seconds=time.perf_counter() - start,
     )
+    declared = [c.declared for c in cost.calls]
+    if declared and all(declared):  # what the kernel's author declared (pl.CostEstimate), for comparison
+        row["declared"] = {"flops": sum(d["flops"] for d in declared),
+                           "bytes_accessed": sum(d["bytes_accessed"] for d in declared)}
     if impl.per_chip:
         row["per_chip"] = {c: {"hbm_bytes": costs[c].hbm_bytes, "flops": costs[c].flops, "steps": costs[c].grid_steps}
                            for c in chips}
@@ -515,6 +519,17 @@ def tables(result: dict) -> str:
         if "shape" in c:
             shapes.setdefault(r["family"], set()).add(c["shape"])
     lines += ["", "Check shapes: " + "; ".join(f"{f}: {' | '.join(sorted(s))}" for f, s in shapes.items())]
+    declared = [r for r in result["rows"] if r.get("declared")]
+    if declared:
+        lines += ["", "### Cost model vs the kernels' own `pl.CostEstimate`", "",
+                  "What each kernel's author declares to XLA (bytes_accessed, flops) beside what the model counts "
+                  "for the same call (v6e).", "",
+                  "| problem | implementation | declared bytes | modelled bytes | declared flops | modelled flops |",
+                  "|---|---|---|---|---|---|"]
+        for r in declared:
+            d = r["declared"]
+            lines.append(f"| {r['problem']} | {r['impl']} | {_fmt_bytes(d['bytes_accessed'])} | {_fmt_bytes(r['hbm_bytes'])} | "
+                         f"{d['flops'] / 1e9:.2f} G | {r['flops'] / 1e9:.2f} G |")
     if result.get("xla_matmul"):
         lines += ["", "### Cost model vs XLA:TPU cost analysis (plain bf16 matmuls)", "",
                   "XLA: `jnp.dot` compiled for the chip here (compile-only topology), `cost_analysis()`. "

@@ -69,6 +69,7 @@ class CallCost:
     remote_bytes: int  # copies to other chips (ICI), not part of the HBM time
     flops: int
     pipeline_steps: int = 0  # iterations of the kernel's own DMA loops (emit_pipeline, paged attention)
+    declared: dict | None = None  # the kernel author's pl.CostEstimate (flops, bytes_accessed), if any
 
     @property
     def grid_steps(self) -> int:
@@ -117,7 +118,8 @@ class Cost:
             "modelled_seconds": {c: self.time(c) for c in chips},
             "calls": [{"name": c.name, "grid": list(c.grid), "hbm_read_bytes": c.hbm_read_bytes,
                        "hbm_write_bytes": c.hbm_write_bytes, "flops": c.flops,
-                       "dma_read_bytes": c.dma_read_bytes, "dma_write_bytes": c.dma_write_bytes}
+                       "dma_read_bytes": c.dma_read_bytes, "dma_write_bytes": c.dma_write_bytes,
+                       "pipeline_steps": c.pipeline_steps, "declared": c.declared}
                       for c in self.calls],
         }
 
@@ -295,7 +297,9 @@ def _call_cost(operands: tuple, params: dict) -> CallCost:
         inner += site.steps * n
     info = params.get("name_and_src_info") or params.get("name")
     name = str(getattr(info, "name", info) or "pallas_call")
-    return CallCost(name, grid, tuple(traffic), dma_r, dma_w, remote, flops, inner)
+    ce = params.get("cost_estimate")
+    declared = {"flops": int(ce.flops), "bytes_accessed": int(ce.bytes_accessed)} if ce is not None else None
+    return CallCost(name, grid, tuple(traffic), dma_r, dma_w, remote, flops, inner, declared)
 
 
 @functools.lru_cache(maxsize=256)
