@@ -226,6 +226,7 @@ class Impl:
     family: str
     fn: Callable | None  # None: not available (``missing`` says why)
     missing: str | None = None
+    source: str = ""  # where our kernel was built from
     prepare: Callable | None = None  # the problem's arrays into this kernel's layout, outside cost and timing
     per_chip: bool = False  # fn takes chip= and picks its tiling for that generation
 
@@ -281,12 +282,28 @@ def _ours(key: str, family: str, module) -> Impl:
     raise NotImplementedError(f"no bench adapter for kernel {key!r}")
 
 
-def implementations(families, kernels_dir: Path | None = None, progress=print) -> list[Impl]:
-    """Ours (built from the manifest, as ``pallas-hub check`` does) and the anchors, per family."""
+def _describe(path: Path) -> str:
+    """The kernel folder and, when it is in this repository, the commit it was built at."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "-C", str(path), "log", "-1", "--format=%h %s", "--", "."],
+                              capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:
+        head = ""
+    return f"{path}" + (f" (last commit {head[:80]})" if head else "")
+
+
+def implementations(families, kernels_dir: Path | None = None, paths=(), progress=print) -> list[Impl]:
+    """Ours (built from the manifest, as ``pallas-hub check`` does, or from kernel folders given in
+    ``paths``, which win) and the anchors, per family."""
     from . import manifest as mf
     from .build import build_kernel, load_built
 
-    present = mf.load_manifest().kernels
+    present = dict(mf.load_manifest().kernels)
+    for path in paths:
+        spec = mf.load_kernel(Path(path))
+        present[spec.key] = spec
     impls = []
     for key, family in OURS.items():
         if family not in families:
@@ -294,11 +311,13 @@ def implementations(families, kernels_dir: Path | None = None, progress=print) -
         name = f"ours: {key}"
         if key not in present:
             impls.append(Impl(name, "ours", family, None, "not in the manifest (not on main yet)"))
+            progress(f"  {name}: not in the manifest, reported as missing")
             continue
         try:
             out = Path(kernels_dir) / key if kernels_dir else None
+            progress(f"  {name}: building {present[key].path}")
             module = load_built(build_kernel(present[key], out))
-            impls.append(_ours(key, family, module))
+            impls.append(dataclasses.replace(_ours(key, family, module), source=_describe(present[key].path)))
         except Exception as e:  # report, never fake a row
             impls.append(Impl(name, "ours", family, None, f"could not load: {verify.first_line(e)}"))
             progress(f"  {name}: {impls[-1].missing}")
@@ -400,7 +419,7 @@ def xla_matmul_comparison(shapes=((1024, 1024, 1024), (2048, 2048, 1536), (8192,
 
 def run(families=("moe", "prefill", "decode"), *, out_dir: Path = RESULTS, readme: Path | None = README,
         bridge: bool = True, xla: bool = True, measure: bool | None = None, progress=print,
-        problem_list: list[Problem] | None = None, impl_list: list[Impl] | None = None) -> dict:
+        problem_list: list[Problem] | None = None, impl_list: list[Impl] | None = None, paths=()) -> dict:
     """The whole benchmark; returns (and writes) the results."""
     logging.getLogger("absl").setLevel(logging.ERROR)  # tokamax logs every autotuning-cache miss
     t0 = time.perf_counter()
@@ -410,7 +429,7 @@ def run(families=("moe", "prefill", "decode"), *, out_dir: Path = RESULTS, readm
     progress("== pallas-hub bench: modelled TPU cost (a model, not a measurement), "
              "CPU interpret-mode correctness" + (", TPU timings" if measure else ""))
     probs = problem_list if problem_list is not None else problems(families=families)
-    impls = impl_list if impl_list is not None else implementations(families, progress=progress)
+    impls = impl_list if impl_list is not None else implementations(families, paths=paths, progress=progress)
     rows, checks = [], {}
     for i, p in enumerate(probs):
         for impl in (x for x in impls if x.family == p.family):
@@ -418,6 +437,7 @@ def run(families=("moe", "prefill", "decode"), *, out_dir: Path = RESULTS, readm
             rows.append(row)
             progress(_progress_line(i + 1, len(probs), row, time.perf_counter() - t0))
     result = {"generated_by": "pallas-hub bench", "chips": list(DEFAULT_CHIPS),
+              "kernel_sources": {i.name: i.source for i in impls if i.kind == "ours"},
               "models": [dataclasses.asdict(m) for m in MODELS if m.name in {p.model for p in probs}], "rows": rows,
               "note": "modelled_s and roofline are TPU cost-model outputs, not measurements"}
     if xla:
@@ -513,6 +533,9 @@ def tables(result: dict) -> str:
         lines.append(f"| {r['problem']} | {r['impl']} | {_fmt_bytes(r['hbm_bytes'])} | {r['flops'] / 1e9:.2f} G | "
                      f"{r['steps']} | {_fmt_time(m['v5e'])} | {_fmt_time(m['v6e'])} | {_fmt_time(m['tpu7x'])} | "
                      f"{rf['v5e']:.2f} / {rf['v6e']:.2f} / {rf['tpu7x']:.2f} | {check} |")
+    sources = {k: v for k, v in result.get("kernel_sources", {}).items() if v}
+    if sources:
+        lines += ["", "Ours built from: " + "; ".join(f"{k}: `{v}`" for k, v in sources.items())]
     shapes = {}
     for r in result["rows"]:
         c = r.get("check") or {}

@@ -73,7 +73,7 @@ def cmd_bench(args) -> int:
     from . import bench
 
     families = tuple(args.families.split(",")) if args.families else ("moe", "prefill", "decode")
-    result = bench.run(families, bridge=not args.no_bridge, xla=not args.no_xla)
+    result = bench.run(families, bridge=not args.no_bridge, xla=not args.no_xla, paths=args.path or ())
     return 0 if all(r.get("check", {}).get("ok", True) for r in result["rows"] if r["status"] == "ok") else 1
 
 
@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--families", help="comma-separated subset of moe,prefill,decode")
     p.add_argument("--no-bridge", action="store_true", help="skip the bridge overhead measurement")
     p.add_argument("--no-xla", action="store_true", help="skip the XLA:TPU matmul comparison")
+    p.add_argument("--path", action="append", help="one of our kernel folders to bench instead of the manifest's (repeatable)")
     p.set_defaults(fn=cmd_bench)
     p = sub.add_parser("demo", help="the main job (see README)")
     p.set_defaults(fn=cmd_demo)
