@@ -309,10 +309,10 @@ class InterpreterTraffic:
 
 
 def _model_traffic(fn, *args):
-    (call,) = costmodel.estimate(fn, *args).calls
-    return {"pipeline_read": sum(o.bytes for o in call.operands if o.kind in ("input", "smem")),
-            "pipeline_write": sum(o.bytes for o in call.operands if o.kind == "output"),
-            "dma_read": call.dma_read_bytes, "dma_write": call.dma_write_bytes}
+    calls = costmodel.estimate(fn, *args).calls
+    return {"pipeline_read": sum(o.bytes for c in calls for o in c.operands if o.kind in ("input", "smem")),
+            "pipeline_write": sum(o.bytes for c in calls for o in c.operands if o.kind == "output"),
+            "dma_read": sum(c.dma_read_bytes for c in calls), "dma_write": sum(c.dma_write_bytes for c in calls)}
 
 
 @pytest.mark.strict_interpret
@@ -330,3 +330,28 @@ def test_model_matches_the_copies_the_strict_interpreter_makes(monkeypatch):
     for fn, *args in [(anchors.megablox_gmm, lhs, rhs, sizes), (anchors.tokamax_ragged_dot, lhs, rhs, sizes), paged]:
         simulated = InterpreterTraffic(monkeypatch).run(fn, *args)
         assert _model_traffic(fn, *args) == simulated, fn
+
+
+def _our_kernel_keys():
+    from pallas_hub import bench, manifest
+
+    try:
+        present = manifest.load_manifest().kernels
+    except manifest.ManifestError:
+        return []
+    return [k for k in bench.OURS if k in present]
+
+
+@pytest.mark.strict_interpret
+@pytest.mark.parametrize("key", _our_kernel_keys())
+def test_our_kernels_match_the_strict_interpreter(key, monkeypatch, tmp_path):
+    from pallas_hub import bench
+
+    family = bench.OURS[key]
+    (impl,) = [i for i in bench.implementations((family,), kernels_dir=tmp_path, progress=lambda *_: None)
+               if i.kind == "ours"]
+    assert impl.fn is not None, impl.missing
+    problem = next(p for p in bench.problems() if p.family == family)
+    check = problem.check()
+    fn, args = impl.call(check.kwargs, "v6e"), impl.args(check.args)
+    assert _model_traffic(fn, *args) == InterpreterTraffic(monkeypatch).run(fn, *args)
