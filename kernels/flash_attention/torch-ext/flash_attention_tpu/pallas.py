@@ -201,11 +201,12 @@ def _positions(seq_ref, b, qi, kj, *, bq, bk, sk, causal, window, mask_ref):
     return ok
 
 
-def _load_kv(ref, kj, *, bk, sk):
-    x = ref[...]
-    if sk % bk:  # the ragged last block holds stale memory: a NaN there would survive p = 0
-        k_pos = kj * bk + jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
-        x = jnp.where(k_pos < sk, x, jnp.zeros_like(x))
+def _rows(x, block, *, size, n):
+    """x [size, D], block ``block`` of a length-n axis: rows past n zeroed. A ragged last block holds
+    stale memory, and a NaN there would survive a zero weight in a matmul (0 * NaN)."""
+    if n % size:
+        pos = block * size + jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0)
+        x = jnp.where(pos < n, x, jnp.zeros_like(x))
     return x
 
 
@@ -233,7 +234,7 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
     def _compute():
         ok = _positions(seq_ref, b, qi, kj, bq=bq, bk=bk, sk=sk, causal=causal, window=window, mask_ref=mask_ref)
         k = k_ref[...]
-        v = _load_kv(v_ref, kj, bk=bk, sk=sk)
+        v = _rows(v_ref[...], kj, size=bk, n=sk)
 
         def head(g, carry):  # the G query heads of this KV group share the K/V block
             s = am.scores(q_ref[g], k, scale=scale, softcap=softcap)
@@ -256,27 +257,27 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
         jax.lax.fori_loop(0, groups, head, 0)
 
 
-def _bwd_block(seq_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, mask_ref, b, qi, kj, g, *, bq, bk, sk, scale,
+def _bwd_block(seq_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, mask_ref, b, qi, kj, g, *, bq, bk, sq, sk, scale,
                causal, window, softcap):
     """Shared backward math for head g of block (qi, kj): returns (ds [bq, bk] w.r.t. the raw
     scaled logits, p [bq, bk]), the two quantities both backward kernels need."""
     ok = _positions(seq_ref, b, qi, kj, bq=bq, bk=bk, sk=sk, causal=causal, window=window, mask_ref=mask_ref)
-    q = q_ref[g]
-    k = k_ref[...]
-    v = _load_kv(v_ref, kj, bk=bk, sk=sk)
-    do = do_ref[g]
+    q = _rows(q_ref[g], qi, size=bq, n=sq)
+    k = _rows(k_ref[...], kj, size=bk, n=sk)
+    v = _rows(v_ref[...], kj, size=bk, n=sk)
+    do = _rows(do_ref[g], qi, size=bq, n=sq)
     s = am.scores(q, k, scale=scale, softcap=softcap)
     lse = jnp.expand_dims(lse_ref[g][0], -1)
     di = jnp.expand_dims(di_ref[g][0], -1)
     p = jnp.where(ok, jnp.exp(jnp.where(ok, s, am.MASK_VALUE) - lse), 0.0)
     dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    ds = p * (dp - di)
+    ds = jnp.where(ok, p * (dp - di), 0.0)  # di of a ragged block's stale rows may be NaN
     if softcap is not None:
         ds = ds * (1.0 - jnp.square(s / softcap))  # d(cap * tanh(x / cap))/dx
     return ds, p, q, k, v, do
 
 
-def _dq_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups, bq, bk, sk, scale, causal, window,
+def _dq_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups, bq, bk, sq, sk, scale, causal, window,
                softcap, has_mask):
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
@@ -295,7 +296,7 @@ def _dq_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups,
     def _compute():
         def head(g, carry):
             ds, _, _, k, _, _ = _bwd_block(seq_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, mask_ref, b, qi,
-                                           kj, g, bq=bq, bk=bk, sk=sk, scale=scale, causal=causal, window=window,
+                                           kj, g, bq=bq, bk=bk, sq=sq, sk=sk, scale=scale, causal=causal, window=window,
                                            softcap=softcap)
             dq_sc[g] += scale * jax.lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
             return carry
@@ -307,7 +308,7 @@ def _dq_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups,
         dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
 
 
-def _dkv_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups, bq, bk, sk, scale, causal, window,
+def _dkv_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups, bq, bk, sq, sk, scale, causal, window,
                 softcap, has_mask):
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
@@ -327,7 +328,7 @@ def _dkv_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
     def _compute():
         def head(g, carry):
             ds, p, q, _, _, do = _bwd_block(seq_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, mask_ref, b, qi,
-                                            kj, g, bq=bq, bk=bk, sk=sk, scale=scale, causal=causal, window=window,
+                                            kj, g, bq=bq, bk=bk, sq=sq, sk=sk, scale=scale, causal=causal, window=window,
                                             softcap=softcap)
             if bq % 8 == 0:
                 dv_sc[...] += jax.lax.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
@@ -408,7 +409,7 @@ def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window,
     q5, do5 = q.reshape(b, hkv, g, sq, d), do.reshape(b, hkv, g, sq, d)
     row = lambda x: x.reshape(b, hkv, g, 1, sq)  # noqa: E731  per-row stats, lane-dense
     mask8 = None if mask is None else mask.astype(jnp.int8)
-    common = dict(groups=g, bq=bq, bk=bk, sk=sk, scale=scale, causal=causal, window=window, softcap=softcap,
+    common = dict(groups=g, bq=bq, bk=bk, sq=sq, sk=sk, scale=scale, causal=causal, window=window, softcap=softcap,
                   has_mask=mask is not None)
 
     def specs(n, q_idx, k_idx):
