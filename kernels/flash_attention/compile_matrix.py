@@ -45,8 +45,8 @@ def configs(kernel):
                           specs(1, 4096, 4096, d=64, hq=64, hkv=8), chips=(chip,)))
     # (the chip is bound in the partial: compile_for_tpu's own `chip` picks the target)
     # Blocks far too large for VMEM: declared unsupported, must fail (proves the check can fail).
-    out.append(Config("D=256, 8192x8192 blocks (VMEM overflow)", functools.partial(forward, kernel, chip="tpu7x"),
-                      specs(1, 8192, 8192, d=256), dict(block_q=8192, block_k=8192),
+    out.append(Config("D=256, 2048x4096 blocks (VMEM overflow)", functools.partial(forward, kernel, chip="tpu7x"),
+                      specs(1, 8192, 8192, d=256), dict(block_q=2048, block_k=4096),
                       fails_with="RESOURCE_EXHAUSTED", chips=("tpu7x",)))
     return out
 

@@ -74,8 +74,7 @@ def test_fully_masked_rows_are_zero_and_mask_path(fa):
     assert np.all(np.asarray(out[0, :, :13]) == 0) and np.all(np.asarray(out[1]) == 0)
 
 
-GRADS = [
-    (1, 4, 2, 300, 300, 64, dict()),
+GRADS = [  # ragged blocks, GQA, window, soft-cap, sinks, padding; MQA decode
     (2, 8, 2, 17, 300, 128, dict(window=50, softcap=5.0, use_sinks=True, seq=[[3, 290, 17], [0, 300, 12]])),
     (2, 4, 1, 1, 100, 64, dict(seq=[[10, 64, 1], [0, 40, 1]])),
 ]
@@ -106,23 +105,25 @@ def test_gradients_match_autodiff_of_reference(fa, b, hq, hkv, sq, sk, d, extra)
 # --------------------------------------------------------------------------- the schedule
 
 def test_schedule_skips_masked_blocks_and_their_dma(fa):
-    """Causal 1024 x 1024 with 128-blocks: 36 of 64 block pairs are needed; the grid has exactly one
-    step per needed pair, and K/V are fetched once per needed pair (never for a skipped block)."""
+    """Causal 1024 x 1024 with 128-blocks: 36 of 64 block pairs are needed; exactly 36 steps compute
+    and K/V are fetched once per needed pair (never for a skipped block). The static step count is
+    43: a shorter q_len shifts queries right (bottom-right), which can need up to 43 pairs; the
+    spare steps repeat the last block indices (no DMA, no compute)."""
     P = fa.pallas
     seq = P._canonical_seq(None, 1, 1024, 1024)
     need = P._need(seq, nq=8, nk=8, bq=128, bk=128, causal=True, window=None)
     assert int(need.sum()) == 36
     n = P._max_items(1024, 1024, 128, 128, True, None, False)
-    assert n == 36
+    assert n == 43
     outer, inner, flags = (np.asarray(t) for t in P._schedule(need, n))
     assert ((flags & P.COMPUTE) != 0).sum() == 36
     pairs = list(zip(outer, inner))
     assert all(bool(need[0, o, i]) for o, i in pairs)
     fetches = 1 + sum(pairs[t] != pairs[t - 1] for t in range(1, len(pairs)))  # K/V index changes
     assert fetches == 36
-    # sliding window 128: at most 2 kv blocks per q block
+    # sliding window 128: 2 kv blocks per aligned q block, 3 at worst alignment (shifted q_len)
     need_w = P._need(seq, nq=8, nk=8, bq=128, bk=128, causal=True, window=128)
-    assert int(need_w.sum(-1).max()) == 2 and P._max_items(1024, 1024, 128, 128, True, 128, False) <= 16
+    assert int(need_w.sum(-1).max()) == 2 and P._max_items(1024, 1024, 128, 128, True, 128, False) <= 8 * 3
 
 
 @pytest.mark.parametrize("causal,window", [(True, None), (True, 100), (False, None), (False, 64)])
@@ -195,6 +196,7 @@ def test_compile_matrix_subset(fa, chip, shape, label):
     assert result.vmem_bytes < result.vmem_capacity
 
 
+@pytest.mark.slow  # ~35 s of compiler time before it gives up
 @pytest.mark.tpu_compile
 def test_compile_rejects_vmem_overflow(fa):
     from pallas_hub import manifest, matrix

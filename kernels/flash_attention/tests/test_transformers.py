@@ -18,6 +18,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa
 
 NAME = "pallas_attention"
 LOGIT_TOL = 1e-4
+CALLS = []  # sliding_window of every call through the registered function
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +26,13 @@ def fa(load_kernel):
     k = load_kernel("flash_attention")
     (reg,) = k.REGISTRATIONS
     assert reg["name"] == NAME and reg["mask"] == "sdpa"
-    AttentionInterface.register(NAME, getattr(k, reg["function"]))
+    fn = getattr(k, reg["function"])
+
+    def counted(*args, **kwargs):
+        CALLS.append(kwargs.get("sliding_window"))
+        return fn(*args, **kwargs)
+
+    AttentionInterface.register(NAME, counted)
     AttentionMaskInterface.register(NAME, sdpa_mask)
     return k
 
@@ -46,8 +53,8 @@ def _mask(b, sq, sk, pad, window=None):
     from transformers.masking_utils import and_masks, causal_mask_function, padding_mask_function, sliding_window_causal_mask_function
 
     fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
-    return sdpa_mask(batch_size=b, cache_position=torch.arange(sk - sq, sk), kv_length=sk, kv_offset=0,
-                     mask_function=and_masks(fn, padding_mask_function(am)), attention_mask=am,
+    return sdpa_mask(batch_size=b, q_length=sq, kv_length=sk, q_offset=sk - sq, kv_offset=0,
+                     mask_function=and_masks(fn, padding_mask_function(am.bool())), attention_mask=am.bool(),
                      allow_is_causal_skip=False)
 
 
@@ -61,6 +68,9 @@ def test_attention_forward_matches_sdpa(fa, hq, hkv, sq, sk, pad, window, sinks,
     b, d = len(pad), 64
     q, k, v = torch.randn(b, hq, sq, d), torch.randn(b, hkv, sk, d), torch.randn(b, hkv, sk, d)
     mask = None if not any(pad) and window is None else _mask(b, sq, sk, pad, window)
+    if mask is not None:  # transformers' padding + causal (+ window) masks become lengths, no mask traffic
+        seq, kind = fa._structured(mask[:, 0], causal=True, window=window)
+        assert kind == (True, window) and seq[:, 0].tolist() == pad
     s_aux = torch.randn(hq) if sinks else None
     module = _Module(hq, hkv)
     out, w = fa.attention_forward(module, q, k, v, mask, scaling=0.11, sliding_window=window, s_aux=s_aux,
@@ -158,8 +168,10 @@ def test_tiny_model_matches_eager(fa, family):
     ids = torch.randint(3, 128, (2, 12))
     am = torch.ones_like(ids)
     am[1, :4] = 0  # left padding
+    CALLS.clear()
     with torch.no_grad():
         a = ours(input_ids=ids, attention_mask=am).logits
+        assert len(CALLS) == cfg.num_hidden_layers  # the kernel really ran, in every layer
         b = eager(input_ids=ids, attention_mask=am).logits
         valid = am.bool()
         assert (a[valid] - b[valid]).abs().max() <= LOGIT_TOL

@@ -116,9 +116,9 @@ def _structured(mask: torch.Tensor, *, causal: bool, window: int | None):
         k_pos = ar[None, None, :]
         ok = (k_pos >= kv_start[:, None, None]) & (k_pos < kv_end[:, None, None])
         if cand_causal:
-            ok &= k_pos <= q_pos
+            ok = ok & (k_pos <= q_pos)
         if cand_window is not None:
-            ok &= k_pos > q_pos - cand_window
+            ok = ok & (k_pos > q_pos - cand_window)
         if torch.equal(ok, mask):
             return seq, (cand_causal, cand_window)
     return seq, None
