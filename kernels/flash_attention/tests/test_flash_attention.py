@@ -49,7 +49,7 @@ def _check_forward(fa, b, hq, hkv, sq, sk, d, *, dtype=jnp.float32, use_sinks=Fa
 # Default set: small, covers every feature once, with 128-blocks so that lengths are ragged.
 FAST = [
     # b, hq, hkv, sq, sk, d, extra
-    (1, 4, 4, 300, 300, 64, dict()),  # MHA, 3 ragged blocks, causal
+    (1, 4, 4, 300, 300, 64, dict(block_k=256)),  # MHA, ragged blocks, causal, 2 compute tiles per K/V block
     (2, 8, 2, 17, 300, 128, dict(window=50, softcap=5.0, use_sinks=True)),  # chunked prefill, GQA 4
     (2, 8, 1, 1, 300, 128, dict(seq=[[10, 250, 1], [0, 300, 1]])),  # MQA decode, left+right padding
     (2, 4, 2, 128, 128, 256, dict(causal=False, seq=[[5, 100, 77], [0, 128, 128]])),  # D=256, q padding
@@ -59,7 +59,7 @@ FAST = [
 
 @pytest.mark.parametrize("b,hq,hkv,sq,sk,d,extra", FAST)
 def test_forward_matches_reference(fa, b, hq, hkv, sq, sk, d, extra):
-    _check_forward(fa, b, hq, hkv, sq, sk, d, block_q=128, block_k=128, **extra)
+    _check_forward(fa, b, hq, hkv, sq, sk, d, block_q=128, block_k=extra.pop("block_k", 128), **extra)
 
 
 def test_fully_masked_rows_are_zero_and_mask_path(fa):

@@ -117,6 +117,11 @@ def _blocks(sq, sk, block_q, block_k, chip):
     return bq, bk, pl.cdiv(sq, bq), pl.cdiv(sk, bk), vmem
 
 
+def _compute_tile(bq, bk):
+    """Keys per compute tile in the forward: bq when it divides bk (diagonal waste <= bq/S), else bk."""
+    return bq if bq % LANES == 0 and bk % bq == 0 else bk
+
+
 def _key_ranges(kv_start, kv_end, q_len, qi, *, bq, causal, window):
     """First/last key each q block ``qi`` may see, and whether it sees any (broadcasting int arrays)."""
     i_lo = qi * bq
@@ -189,28 +194,35 @@ def _schedule(need, n_items):
 
 # --------------------------------------------------------------------------- kernels
 
-def _positions(seq_ref, b, qi, kj, *, bq, bk, sk, causal, window, mask_ref):
-    """ok [bq, bk]: which (query row, key) pairs of block (qi, kj) of sequence b may attend."""
+def _positions(seq_ref, b, row0, col0, *, rows, cols, causal, window, mask=None):
+    """ok [rows, cols]: which (query row, key) pairs of the tile at (row0, col0) of sequence b may attend."""
     kv_start, kv_end, q_len = seq_ref[3 * b], seq_ref[3 * b + 1], seq_ref[3 * b + 2]
-    rows = qi * bq + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-    k_pos = kj * bk + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-    ok = am.allowed(kv_end - q_len + rows, k_pos, causal=causal, window=window)
-    ok = ok & (rows < q_len) & (k_pos >= kv_start) & (k_pos < kv_end)
-    if mask_ref is not None:
-        ok = ok & (mask_ref[...] != 0)
+    r = row0 + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    k_pos = col0 + jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1)
+    ok = am.allowed(kv_end - q_len + r, k_pos, causal=causal, window=window)
+    ok = ok & (r < q_len) & (k_pos >= kv_start) & (k_pos < kv_end)
+    if mask is not None:
+        ok = ok & (mask != 0)
     return ok
 
 
-def _rows(x, block, *, size, n):
-    """x [size, D], block ``block`` of a length-n axis: rows past n zeroed. A ragged last block holds
-    stale memory, and a NaN there would survive a zero weight in a matmul (0 * NaN)."""
-    if n % size:
-        pos = block * size + jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0)
+def _tile_needed(seq_ref, b, qi, col0, cols, *, bq, causal, window):
+    """Does q block qi see any key in [col0, col0 + cols) (scalar; same rule as the schedule)."""
+    kv_start, kv_end, q_len = seq_ref[3 * b], seq_ref[3 * b + 1], seq_ref[3 * b + 2]
+    k_lo, k_hi, nonempty = _key_ranges(kv_start, kv_end, q_len, qi, bq=bq, causal=causal, window=window)
+    return nonempty & (col0 <= k_hi) & (col0 + cols > k_lo)
+
+
+def _rows(x, start, n, ragged):
+    """x [size, D] holding rows start.. of a length-n axis, rows past n zeroed when ``ragged``: a ragged
+    last block holds stale memory, and a NaN there would survive a zero weight (0 * NaN)."""
+    if ragged:
+        pos = start + jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
         x = jnp.where(pos < n, x, jnp.zeros_like(x))
     return x
 
 
-def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups, bq, bk, sk, scale, causal,
+def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups, bq, bk, bkc, sk, scale, causal,
                 window, softcap, has_sinks, has_mask, with_lse):
     refs = list(refs)
     sinks_ref = refs.pop(0) if has_sinks else None
@@ -230,19 +242,27 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
         l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
 
-    @pl.when((flags & COMPUTE) != 0)
-    def _compute():
-        ok = _positions(seq_ref, b, qi, kj, bq=bq, bk=bk, sk=sk, causal=causal, window=window, mask_ref=mask_ref)
-        k = k_ref[...]
-        v = _rows(v_ref[...], kj, size=bk, n=sk)
+    # K/V blocks are big (few steps, long DMAs) but computed in tiles of bkc keys, skipping tiles no
+    # row of this q block sees: the causal diagonal then wastes at most one bq x bkc tile per q block.
+    for c in range(bk // bkc):
+        col0 = kj * bk + c * bkc
 
-        def head(g, carry):  # the G query heads of this KV group share the K/V block
-            s = am.scores(q_ref[g], k, scale=scale, softcap=softcap)
-            m, l, acc = am.online_softmax_step(m_sc[g], l_sc[g], acc_sc[g], s, ok, v)
-            m_sc[g], l_sc[g], acc_sc[g] = m, l, acc
-            return carry
+        @pl.when(((flags & COMPUTE) != 0)
+                 & _tile_needed(seq_ref, b, qi, col0, bkc, bq=bq, causal=causal, window=window))
+        def _compute():
+            tile = pl.ds(c * bkc, bkc)
+            ok = _positions(seq_ref, b, qi * bq, col0, rows=bq, cols=bkc, causal=causal, window=window,
+                            mask=None if mask_ref is None else mask_ref[:, tile])
+            k = k_ref[tile, :]
+            v = _rows(v_ref[tile, :], col0, sk, sk % bk != 0)
 
-        jax.lax.fori_loop(0, groups, head, 0)
+            def head(g, carry):  # the G query heads of this KV group share the K/V tile
+                s = am.scores(q_ref[g], k, scale=scale, softcap=softcap)
+                m, l, acc = am.online_softmax_step(m_sc[g], l_sc[g], acc_sc[g], s, ok, v)
+                m_sc[g], l_sc[g], acc_sc[g] = m, l, acc
+                return carry
+
+            jax.lax.fori_loop(0, groups, head, 0)
 
     @pl.when((flags & LAST) != 0)
     def _finalize():
@@ -261,11 +281,12 @@ def _bwd_block(seq_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, mask_ref, 
                causal, window, softcap):
     """Shared backward math for head g of block (qi, kj): returns (ds [bq, bk] w.r.t. the raw
     scaled logits, p [bq, bk]), the two quantities both backward kernels need."""
-    ok = _positions(seq_ref, b, qi, kj, bq=bq, bk=bk, sk=sk, causal=causal, window=window, mask_ref=mask_ref)
-    q = _rows(q_ref[g], qi, size=bq, n=sq)
-    k = _rows(k_ref[...], kj, size=bk, n=sk)
-    v = _rows(v_ref[...], kj, size=bk, n=sk)
-    do = _rows(do_ref[g], qi, size=bq, n=sq)
+    ok = _positions(seq_ref, b, qi * bq, kj * bk, rows=bq, cols=bk, causal=causal, window=window,
+                    mask=None if mask_ref is None else mask_ref[...])
+    q = _rows(q_ref[g], qi * bq, sq, sq % bq != 0)
+    k = _rows(k_ref[...], kj * bk, sk, sk % bk != 0)
+    v = _rows(v_ref[...], kj * bk, sk, sk % bk != 0)
+    do = _rows(do_ref[g], qi * bq, sq, sq % bq != 0)
     s = am.scores(q, k, scale=scale, softcap=softcap)
     lse = jnp.expand_dims(lse_ref[g][0], -1)
     di = jnp.expand_dims(di_ref[g][0], -1)
@@ -382,7 +403,7 @@ def _forward(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap, block
                                       lambda bb, h, t, o, i, f, s: (bb, h, 0, o[bb * n_items + t], 0)))
         out_shape.append(jax.ShapeDtypeStruct((b, hkv, g, sq, LANES), jnp.float32))
     kernel = functools.partial(
-        _fwd_kernel, n_items=n_items, groups=g, bq=bq, bk=bk, sk=sk, scale=scale, causal=causal, window=window,
+        _fwd_kernel, n_items=n_items, groups=g, bq=bq, bk=bk, bkc=_compute_tile(bq, bk), sk=sk, scale=scale, causal=causal, window=window,
         softcap=softcap, has_sinks=sinks is not None, has_mask=mask is not None, with_lse=with_lse)
     outs = pl.pallas_call(
         kernel,
