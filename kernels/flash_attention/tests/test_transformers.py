@@ -70,7 +70,7 @@ def test_attention_forward_matches_sdpa(fa, hq, hkv, sq, sk, pad, window, sinks,
     mask = None if not any(pad) and window is None else _mask(b, sq, sk, pad, window)
     if mask is not None:  # transformers' padding + causal (+ window) masks become lengths, no mask traffic
         seq, kind = fa._structured(mask[:, 0], causal=True, window=window)
-        assert kind == (True, window) and seq[:, 0].tolist() == pad
+        assert kind == (True, window) and seq[:, 0].tolist() == [max(p, sk - (window or sk)) for p in pad]
     s_aux = torch.randn(hq) if sinks else None
     module = _Module(hq, hkv)
     out, w = fa.attention_forward(module, q, k, v, mask, scaling=0.11, sliding_window=window, s_aux=s_aux,
