@@ -94,10 +94,19 @@ def splash(sq, sk, causal):
     return f
 
 
-def min_cost(b, sq, sk, causal):
+def with_backward(fn):
+    """forward + backward (dq, dk, dv) of fn, as jax.grad runs them."""
+    def f(q, k, v):
+        return jax.grad(lambda q, k, v: fn(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2))(q, k, v)
+    return f
+
+
+def min_cost(b, sq, sk, causal, backward=False):
     pairs = sum(min(sk, sk - sq + i + 1) for i in range(sq)) if causal else sq * sk
     flops = 4 * b * HQ * pairs * D
     bytes_ = 2 * (2 * b * HQ * sq * D + 2 * b * HKV * sk * D)  # read q, k, v; write o (bf16)
+    if backward:  # flash backward: 5 matmuls (QK^T recomputed, dP, dV, dQ, dK) on top of the forward's 2
+        flops, bytes_ = flops * 7 // 2, bytes_ * 5 // 2  # + read o, do; write dq, dk, dv
     return bytes_, flops
 
 
@@ -119,19 +128,24 @@ def main(argv=None):
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-anchors", action="store_true")
+    ap.add_argument("--backward", action="store_true", help="forward + backward (jax.grad) instead of forward")
     a = ap.parse_args(argv)
     pallas = load_package()
     rows = []
     for chip in a.chips.split(","):
         for name in a.cases.split(","):
             b, sq, sk, causal = CASES[name]
-            mb, mf = min_cost(b, sq, sk, causal)
+            if a.backward and sq == 1:
+                continue  # decode has no backward worth modelling
+            mb, mf = min_cost(b, sq, sk, causal, a.backward)
+            wrap = with_backward if a.backward else (lambda f: f)
+            name = name + (" fwd+bwd" if a.backward else "")
             start = len(rows)
-            rows.append(row(name, chip, "ours", ours(pallas, chip, causal), specs(b, sq, sk), mb, mf))
+            rows.append(row(name, chip, "ours", wrap(ours(pallas, chip, causal)), specs(b, sq, sk), mb, mf))
             if not a.no_anchors:
-                rows.append(row(name, chip, "jax flash (K/V repeated)", jax_flash(causal) if sq >= 128 else None,
+                rows.append(row(name, chip, "jax flash (K/V repeated)", wrap(jax_flash(causal)) if sq >= 128 else None,
                                 specs(b, sq, sk, hkv=HQ), mb, mf))
-                rows.append(row(name, chip, "splash (MQA per KV head)", splash(sq, sk, causal) if sq >= 128 else None,
+                rows.append(row(name, chip, "splash (MQA per KV head)", wrap(splash(sq, sk, causal)) if sq >= 128 else None,
                                 specs(b, sq, sk), mb, mf))
             print(_fmt(rows[start:]), flush=True)
     if a.json:

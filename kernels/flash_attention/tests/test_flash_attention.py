@@ -75,7 +75,8 @@ def test_fully_masked_rows_are_zero_and_mask_path(fa):
 
 
 GRADS = [  # ragged blocks, GQA, window, soft-cap, sinks, padding; MQA decode
-    (2, 8, 2, 17, 300, 128, dict(window=50, softcap=5.0, use_sinks=True, seq=[[3, 290, 17], [0, 300, 12]])),
+    (2, 8, 2, 140, 300, 128, dict(window=50, softcap=5.0, use_sinks=True, seq=[[3, 290, 140], [0, 300, 12]],
+                                  block_k=256)),  # ragged, chunked, 2 key tiles per K/V block
     (2, 4, 1, 1, 100, 64, dict(seq=[[10, 64, 1], [0, 40, 1]])),
 ]
 
@@ -93,7 +94,8 @@ def test_gradients_match_autodiff_of_reference(fa, b, hq, hkv, sq, sk, d, extra)
     seq = None if seq is None else jnp.asarray(seq, jnp.int32)
     q, k, v, sinks = _inputs(b, hq, hkv, sq, sk, d)
     sinks = sinks if use_sinks else None
-    kernel = functools.partial(fa.pallas.flash_attention, seq=seq, chip="", block_q=128, block_k=128, **extra)
+    block_k = extra.pop("block_k", 128)
+    kernel = functools.partial(fa.pallas.flash_attention, seq=seq, chip="", block_q=128, block_k=block_k, **extra)
     with interpret("fast"):
         got = _grads(lambda q, k, v, s: kernel(q, k, v, s), q, k, v, sinks)
     want = _grads(lambda q, k, v, s: fa.pallas.reference(q, k, v, s, seq, **extra), q, k, v, sinks)

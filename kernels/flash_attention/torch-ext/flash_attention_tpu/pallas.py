@@ -277,15 +277,15 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
         jax.lax.fori_loop(0, groups, head, 0)
 
 
-def _bwd_block(seq_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, mask_ref, b, qi, kj, g, *, bq, bk, sq, sk, scale,
-               causal, window, softcap):
-    """Shared backward math for head g of block (qi, kj): returns (ds [bq, bk] w.r.t. the raw
-    scaled logits, p [bq, bk]), the two quantities both backward kernels need."""
-    ok = _positions(seq_ref, b, qi * bq, kj * bk, rows=bq, cols=bk, causal=causal, window=window,
-                    mask=None if mask_ref is None else mask_ref[...])
+def _bwd_tile(seq_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, mask_ref, b, qi, col0, tile, g, *, bq, bk, bkc,
+              sq, sk, scale, causal, window, softcap):
+    """Shared backward math for head g, q block qi and the key tile ``tile`` (starting at key col0):
+    returns ds [bq, bkc] (w.r.t. the scaled logits before soft-capping), p [bq, bkc] and the operands."""
+    ok = _positions(seq_ref, b, qi * bq, col0, rows=bq, cols=bkc, causal=causal, window=window,
+                    mask=None if mask_ref is None else mask_ref[:, tile])
     q = _rows(q_ref[g], qi * bq, sq, sq % bq != 0)
-    k = _rows(k_ref[...], kj * bk, sk, sk % bk != 0)
-    v = _rows(v_ref[...], kj * bk, sk, sk % bk != 0)
+    k = _rows(k_ref[tile, :], col0, sk, sk % bk != 0)
+    v = _rows(v_ref[tile, :], col0, sk, sk % bk != 0)
     do = _rows(do_ref[g], qi * bq, sq, sq % bq != 0)
     s = am.scores(q, k, scale=scale, softcap=softcap)
     lse = jnp.expand_dims(lse_ref[g][0], -1)
@@ -295,11 +295,20 @@ def _bwd_block(seq_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, mask_ref, 
     ds = jnp.where(ok, p * (dp - di), 0.0)  # di of a ragged block's stale rows may be NaN
     if softcap is not None:
         ds = ds * (1.0 - jnp.square(s / softcap))  # d(cap * tanh(x / cap))/dx
-    return ds, p, q, k, v, do
+    return ds, p, q, k, do
 
 
-def _dq_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups, bq, bk, sq, sk, scale, causal, window,
-               softcap, has_mask):
+def _for_each_tile(seq_ref, b, qi, kj, flags, *, bq, bk, bkc, causal, window, body):
+    """Run body(col0, tile) for the key tiles of K/V block kj that q block qi sees (as the forward)."""
+    for c in range(bk // bkc):
+        col0 = kj * bk + c * bkc
+        pl.when(((flags & COMPUTE) != 0) & _tile_needed(seq_ref, b, qi, col0, bkc, bq=bq, causal=causal,
+                                                         window=window))(
+            functools.partial(body, col0, pl.ds(c * bkc, bkc)))
+
+
+def _dq_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups, bq, bk, bkc, sq, sk, scale, causal,
+               window, softcap, has_mask):
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
     refs = refs[6:]
@@ -308,29 +317,30 @@ def _dq_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups,
     b, t = pl.program_id(0), pl.program_id(2)
     step = b * n_items + t
     qi, kj, flags = outer_ref[step], inner_ref[step], flags_ref[step]
+    static = dict(bq=bq, bk=bk, bkc=bkc, sq=sq, sk=sk, scale=scale, causal=causal, window=window, softcap=softcap)
 
     @pl.when((flags & FIRST) != 0)
     def _init():
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
-    @pl.when((flags & COMPUTE) != 0)
-    def _compute():
+    def compute(col0, tile):
         def head(g, carry):
-            ds, _, _, k, _, _ = _bwd_block(seq_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, mask_ref, b, qi,
-                                           kj, g, bq=bq, bk=bk, sq=sq, sk=sk, scale=scale, causal=causal, window=window,
-                                           softcap=softcap)
+            ds, _, _, k, _ = _bwd_tile(seq_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, mask_ref, b, qi, col0,
+                                       tile, g, **static)
             dq_sc[g] += scale * jax.lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
             return carry
 
         jax.lax.fori_loop(0, groups, head, 0)
+
+    _for_each_tile(seq_ref, b, qi, kj, flags, bq=bq, bk=bk, bkc=bkc, causal=causal, window=window, body=compute)
 
     @pl.when((flags & LAST) != 0)
     def _finalize():
         dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
 
 
-def _dkv_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups, bq, bk, sq, sk, scale, causal, window,
-                softcap, has_mask):
+def _dkv_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups, bq, bk, bkc, sq, sk, scale, causal,
+                window, softcap, has_mask):
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
     refs = refs[6:]
@@ -339,29 +349,30 @@ def _dkv_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
     b, t = pl.program_id(0), pl.program_id(2)
     step = b * n_items + t
     kj, qi, flags = outer_ref[step], inner_ref[step], flags_ref[step]
+    static = dict(bq=bq, bk=bk, bkc=bkc, sq=sq, sk=sk, scale=scale, causal=causal, window=window, softcap=softcap)
 
     @pl.when((flags & FIRST) != 0)
     def _init():
         dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
-    @pl.when((flags & COMPUTE) != 0)
-    def _compute():
+    def compute(col0, tile):
         def head(g, carry):
-            ds, p, q, _, _, do = _bwd_block(seq_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, mask_ref, b, qi,
-                                            kj, g, bq=bq, bk=bk, sq=sq, sk=sk, scale=scale, causal=causal, window=window,
-                                            softcap=softcap)
+            ds, p, q, _, do = _bwd_tile(seq_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, mask_ref, b, qi, col0,
+                                        tile, g, **static)
             if bq % 8 == 0:
-                dv_sc[...] += jax.lax.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
-                dk_sc[...] += scale * jax.lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+                dv_sc[tile, :] += jax.lax.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
+                dk_sc[tile, :] += scale * jax.lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
             else:  # a short q block (decode-sized): contract over rows without a transpose
                 dims = (((0,), (0,)), ((), ()))
-                dv_sc[...] += jax.lax.dot_general(p.astype(do.dtype), do, dims, preferred_element_type=jnp.float32)
-                dk_sc[...] += scale * jax.lax.dot_general(ds.astype(q.dtype), q, dims,
-                                                          preferred_element_type=jnp.float32)
+                dv_sc[tile, :] += jax.lax.dot_general(p.astype(do.dtype), do, dims, preferred_element_type=jnp.float32)
+                dk_sc[tile, :] += scale * jax.lax.dot_general(ds.astype(q.dtype), q, dims,
+                                                              preferred_element_type=jnp.float32)
             return carry
 
         jax.lax.fori_loop(0, groups, head, 0)
+
+    _for_each_tile(seq_ref, b, qi, kj, flags, bq=bq, bk=bk, bkc=bkc, causal=causal, window=window, body=compute)
 
     @pl.when((flags & LAST) != 0)
     def _finalize():
@@ -430,7 +441,7 @@ def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window,
     q5, do5 = q.reshape(b, hkv, g, sq, d), do.reshape(b, hkv, g, sq, d)
     row = lambda x: x.reshape(b, hkv, g, 1, sq)  # noqa: E731  per-row stats, lane-dense
     mask8 = None if mask is None else mask.astype(jnp.int8)
-    common = dict(groups=g, bq=bq, bk=bk, sq=sq, sk=sk, scale=scale, causal=causal, window=window, softcap=softcap,
+    common = dict(groups=g, bq=bq, bk=bk, bkc=_compute_tile(bq, bk), sq=sq, sk=sk, scale=scale, causal=causal, window=window, softcap=softcap,
                   has_mask=mask is not None)
 
     def specs(n, q_idx, k_idx):
