@@ -36,8 +36,8 @@ CASES = {  # name: (batch, Sq, Sk, causal)
     "prefill 8k causal": (1, 8192, 8192, True),
     "prefill 8k non-causal": (1, 8192, 8192, False),
     "prefill 2k causal": (1, 2048, 2048, True),
-    "decode vs 8k, batch 8": (8, 1, 8192, True),
-    "decode vs 32k, batch 8": (8, 1, 32768, True),
+    "decode b8 vs 8k": (8, 1, 8192, True),
+    "decode b8 vs 32k": (8, 1, 32768, True),
 }
 
 

@@ -39,14 +39,16 @@ HEAD_DIMS = (64, 128, 256)
 LANES = 128
 COMPUTE, FIRST, LAST = 1, 2, 4  # schedule flags
 
-# Per-chip defaults: (block_q, block_k, vmem_limit_bytes). Blocks are multiples of 128 (256-wide
-# MXUs on v6e/TPU7x); a q block carries all G heads of a KV group, so rows = G * block_q.
-# Chosen with the cost model (benchmarks/): larger blocks amortise the per-step overhead.
+# Per-chip defaults: (block_q, block_k, block_k for decode-sized q, vmem_limit_bytes). Blocks are
+# multiples of 128 (256-wide MXUs on v6e/TPU7x); a q block carries all G heads of a KV group, so
+# rows = G * block_q. Chosen with the cost model (benchmarks/): larger blocks amortise the per-step
+# overhead; decode steps are pure K/V streaming, so they take the longest K/V blocks (TPU7x's HBM
+# is fastest, so its steps must be longest).
 CHIP_BLOCKS = {
-    "v5e": (512, 512, 64 << 20),
-    "v6e": (512, 1024, 96 << 20),
-    "tpu7x": (512, 1024, 48 << 20),
-    "": (512, 512, None),  # unknown / interpret: the compiler's default VMEM limit
+    "v5e": (512, 512, 2048, 64 << 20),
+    "v6e": (512, 1024, 4096, 96 << 20),
+    "tpu7x": (512, 1024, 8192, 48 << 20),
+    "": (512, 512, 2048, None),  # unknown / interpret: the compiler's default VMEM limit
 }
 
 
@@ -110,7 +112,9 @@ def validate(q, k, v, sinks=None, seq=None, mask=None, *, scale=None, causal=Tru
 # --------------------------------------------------------------------------- scheduling
 
 def _blocks(sq, sk, block_q, block_k, chip):
-    dq, dk, vmem = CHIP_BLOCKS[chip]
+    dq, dk, dk_decode, vmem = CHIP_BLOCKS[chip]
+    if sq <= 16:  # decode-sized: a step is all K/V DMA, so take longer K/V blocks (fewer steps)
+        dk = dk_decode
     block_q, block_k = block_q or dq, block_k or dk
     bq = sq if sq <= block_q else block_q  # a whole (short) dimension, or a multiple of 128
     bk = sk if sk <= block_k else block_k
