@@ -23,7 +23,6 @@ previous block indices (no DMA).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
