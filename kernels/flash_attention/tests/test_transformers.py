@@ -180,3 +180,27 @@ def test_tiny_model_matches_eager(fa, family):
         ga = ours.generate(input_ids=ids, attention_mask=am, **gen)
         gb = eager.generate(input_ids=ids, attention_mask=am, **gen)
     assert torch.equal(ga, gb)
+
+
+def test_torch_autograd_with_sinks_window_softcap(fa):
+    """Gradients of the torch op (q, k, v and the sinks, GPT-OSS's learnable s_aux) against torch
+    autograd of an explicit softmax with the sink column."""
+    torch.manual_seed(3)
+    b, hq, hkv, s, d = 2, 4, 2, 21, 64
+    q = torch.randn(b, hq, s, d, requires_grad=True)
+    k = torch.randn(b, hkv, s, d, requires_grad=True)
+    v = torch.randn(b, hkv, s, d, requires_grad=True)
+    sinks = torch.randn(hq, requires_grad=True)
+    w = torch.randn(b, s, hq, d)
+    out, _ = fa.attention_forward(_Module(hq, hkv), q, k, v, None, scaling=0.15, sliding_window=6, softcap=4.0,
+                                  s_aux=sinks)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v, sinks))
+    kk, vv = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    logits = 4.0 * torch.tanh(q @ kk.transpose(-1, -2) * 0.15 / 4.0)
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    logits = logits.masked_fill(~((j <= i) & (j > i - 6)), -torch.inf)
+    logits = torch.cat([logits, sinks.view(1, hq, 1, 1).expand(b, hq, s, 1)], -1)
+    ref = (torch.softmax(logits, -1)[..., :s] @ vv).transpose(1, 2)
+    want = torch.autograd.grad((ref * w).sum(), (q, k, v, sinks))
+    for name, a, r in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4, msg=name)
