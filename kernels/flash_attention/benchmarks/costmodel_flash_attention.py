@@ -91,7 +91,8 @@ def splash(sq, sk, causal):
     g = HQ // HKV
     mask = sa.CausalMask((sq, sk), offset=sk - sq) if causal else sa.FullMask((sq, sk))
     bq, bkv = min(512, sq), min(1024, sk)
-    blocks = sa.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv)
+    blocks = sa.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
+                           block_kv_dkv_compute=bkv, block_q_dq=bq, block_kv_dq=bkv)
     kernel = sa.make_splash_mqa_single_device(sa.MultiHeadMask([mask] * g), block_sizes=blocks)
 
     def f(q, k, v):  # GQA as splash's own reference: the MQA kernel per KV head
