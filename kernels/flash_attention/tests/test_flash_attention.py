@@ -229,3 +229,18 @@ def test_sweep(fa, hq, hkv, sq, sk, feature):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_head_dims_and_dtypes_default_blocks(fa, d, dtype):
     _check_forward(fa, 1, 8, 2, 1000, 1000, d, dtype=dtype, window=300, use_sinks=True)
+
+
+@pytest.mark.slow
+def test_bf16_gradients(fa):
+    """bf16 inputs: gradients within bf16 rounding of the f32 reference's (p, ds rounded to bf16 for the MXU)."""
+    q, k, v, sinks = _inputs(1, 8, 2, 300, 300, 128, jnp.bfloat16)
+    f = functools.partial(fa.pallas.flash_attention, chip="", block_q=128, block_k=256, window=200, softcap=30.0)
+    with interpret("fast"):
+        got = _grads(lambda q, k, v, s: f(q, k, v, s).astype(jnp.float32), q, k, v, sinks)
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = _grads(lambda q, k, v, s: fa.pallas.reference(q, k, v, s, window=200, softcap=30.0), up(q), up(k), up(v),
+                  sinks)
+    for name, a, r in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        scale = float(jnp.abs(r).max())
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(r), atol=3e-2 * scale, err_msg=name)
