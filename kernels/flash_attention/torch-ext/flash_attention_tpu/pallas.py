@@ -17,7 +17,11 @@ q block, the contiguous run of KV blocks it needs, and the grid walks that list 
 tables). Fully masked blocks are therefore neither computed nor fetched nor even stepped over;
 a q block that needs nothing gets one step that writes zeros. The list length is static: the
 largest the shapes and mask kind allow (``_max_items``), padded with no-op steps that repeat the
-previous block indices (no DMA).
+previous block indices (no DMA). Within a step, K/V blocks (long, for few steps) are computed in
+tiles of bq keys, and tiles no row of the q block sees are skipped (the causal diagonal).
+
+The forward's log-sum-exp (a training residual) leaves the kernel lane-broadcast, [..., 128] as
+in splash, and is sliced to [B, Hq, Sq]; the backward reads it, and dO.O, lane-dense in rows.
 """
 
 from __future__ import annotations
