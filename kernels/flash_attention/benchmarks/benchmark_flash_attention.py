@@ -2,10 +2,12 @@
 (32 q / 4 kv heads, head_dim 128), verified against torch's SDPA.
 
 On a CPU host the kernel runs in Pallas interpret mode, so the timings say nothing about a TPU
-(modelled TPU costs: costmodel_flash_attention.py). Note that `kernels benchmark` does not
-synchronise TPU devices; on TorchTPU, time with the device synchronised.
+(modelled TPU costs: costmodel_flash_attention.py). `kernels benchmark` does not synchronise TPU
+devices, so every benchmark_ method ends with the vendored bridge's synchronize.
 Shapes are kept modest so that the CPU interpreter finishes.
 """
+
+import importlib
 
 import torch
 from kernels.benchmark import Benchmark
@@ -16,6 +18,10 @@ HQ, HKV, D = 32, 4, 128
 def _sdpa(q, k, v, causal):
     return torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal,
                                                             enable_gqa=True).to(q.dtype)
+
+
+def _synchronize(kernel, out):
+    importlib.import_module(kernel.__name__ + "._bridge").synchronize(out)
 
 
 class FlashAttentionBenchmark(Benchmark):
@@ -32,6 +38,7 @@ class FlashAttentionBenchmark(Benchmark):
 
     def benchmark_prefill_1k(self):
         self.out = self.kernel.attention(self.q, self.k, self.v, None, None, None, D ** -0.5, True)[0]
+        _synchronize(self.kernel, self.out)
 
     def verify_prefill_1k(self):
         return _sdpa(self.q, self.k, self.v, True)
@@ -42,6 +49,7 @@ class FlashAttentionBenchmark(Benchmark):
 
     def benchmark_decode_4k(self):
         self.out = self.kernel.attention(self.q, self.k, self.v, None, None, None, D ** -0.5, True)[0]
+        _synchronize(self.kernel, self.out)
 
     def verify_decode_4k(self):
         return _sdpa(self.q, self.k, self.v, False)
