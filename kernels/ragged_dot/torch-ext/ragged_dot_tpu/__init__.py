@@ -8,7 +8,7 @@
 
 import torch
 
-from . import pallas
+from . import experts, pallas
 from ._bridge import jax_op
 from ._ops import add_op_namespace_prefix
 from .experts import experts_forward, experts_op  # noqa: F401
@@ -43,4 +43,4 @@ def _backward(ctx, dout):
 ragged_dot.register_autograd(_backward, setup_context=_setup_context)
 
 REGISTRATIONS = [{"registry": "experts", "name": "tokamax_ragged_dot", "function": "experts_forward"}]
-__all__ = ["ragged_dot", "experts_forward", "pallas", "REGISTRATIONS"]
+__all__ = ["ragged_dot", "experts_forward", "experts", "pallas", "REGISTRATIONS"]
