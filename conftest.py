@@ -9,11 +9,6 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-# Import the real `kernels` library before pytest collects kernels/<key>/tests: pytest's importlib
-# mode names those modules "kernels.<key>.tests..." and would otherwise register an empty
-# namespace package as `kernels`, hiding the library (get_local_kernel).
-import kernels  # noqa: E402,F401
-
 ROOT = Path(__file__).resolve().parent
 
 

@@ -80,7 +80,7 @@ class Block:
 @dataclasses.dataclass(frozen=True)
 class PallasCall:
     name: str
-    grid: tuple[int, ...]  # -1 marks a dynamic dimension (its size is a traced value)
+    grid: tuple[int, ...]
     num_scalar_prefetch: int
     inputs: tuple[Block, ...]
     outputs: tuple[Block, ...]
@@ -96,8 +96,8 @@ class PallasCall:
 def _block_dims(block_shape) -> tuple[int, ...]:
     dims = []
     for d in block_shape:
-        size = getattr(d, "block_size", d)  # Squeezed/Element/Blocked wrappers, or plain ints
-        dims.append(1 if size is None or type(size).__name__ == "Squeezed" else int(size))
+        size = getattr(d, "block_size", d)  # Element/Blocked wrappers, or plain ints
+        dims.append(int(size) if isinstance(size, int) else 1)  # None and Squeezed: one element
     return tuple(dims)
 
 
@@ -152,7 +152,7 @@ def pallas_calls(fn: Callable, *args, **kwargs) -> list[PallasCall]:
         calls.append(
             PallasCall(
                 name=str(getattr(info, "name", "pallas_call")),
-                grid=tuple(g if isinstance(g, int) else -1 for g in gm.grid),  # -1: dynamic (traced) size
+                grid=tuple(int(g) for g in gm.grid),
                 num_scalar_prefetch=gm.num_index_operands,
                 inputs=tuple(b for b in blocks if "output" not in b.origin.lower())[:n_in],
                 outputs=tuple(b for b in blocks if "output" in b.origin.lower()),
