@@ -4,6 +4,8 @@ ragged_dot (forward, the gate_up layer), its backward, and the whole experts op 
 shapes (transformers' weight layouts, bf16) for 1, 64, 256 and 4096 tokens (top-k rows each).
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -53,6 +55,20 @@ def configs(kernel):
         (S((64, h), BF16), S((64, k), jnp.int32), S((64, k), BF16), S((e, h, 2 * i), BF16), S((e, i, h), BF16),
          S((e, 2 * i), BF16), S((e, h), BF16)),
         dict(activation="swiglu_oai", alpha=1.702, limit=7.0, is_transposed=True, interleaved=True)))
+    # Expert parallelism: Qwen3-30B-A3B's 128 experts over 8 chips (16 local), tokens replicated.
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from pallas_hub.chips import EIGHT_CHIP_TOPOLOGY
+    from pallas_hub.verify import tpu_mesh
+
+    mesh = tpu_mesh(("ep",), (8,), EIGHT_CHIP_TOPOLOGY)
+    rep, shard = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("ep"))
+    h, e, k, i, _ = MODELS["qwen3-30b-a3b"]
+    for t in (64, 4096):
+        specs = [S(a.shape, a.dtype, sharding=rep if n < 3 else shard)
+                 for n, a in enumerate(_experts_specs(t, h, e, k, i))]
+        out.append(Config(f"qwen3-30b-a3b experts EP=8 T={t}", functools.partial(X.experts_sharded, mesh),
+                          tuple(specs), dict(activation="silu"), chips=("v6e",), topology=EIGHT_CHIP_TOPOLOGY))
     # Declared unsupported, to prove the check can fail: forced 4096-wide tiles of a k=16384 weight
     # (2 x 128 MiB weight buffers) exceed every chip's VMEM.
     out.append(Config(

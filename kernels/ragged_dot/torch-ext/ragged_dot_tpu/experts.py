@@ -175,3 +175,28 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         self.gate_up_proj_bias if has_bias else None, self.down_proj_bias if has_bias else None,
         activation, alpha, limit, bool(getattr(self, "is_transposed", False)), interleaved, implementation)
     return out[:t] if pad else out
+
+
+# --------------------------------------------------------------------------- expert parallelism (JAX)
+
+def experts_sharded(mesh, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
+                    axis: str = "ep", **kwargs):
+    """Expert parallelism: experts split over mesh axis ``axis``, tokens replicated.
+
+    Each shard turns the ids of other shards' experts into its local sentinel (never computed,
+    zero contribution), runs the one-op experts computation on its local experts, and the partial
+    outputs are summed over the axis (psum). ``kwargs`` go to ``experts`` (activation, ...).
+    """
+    from jax.sharding import PartitionSpec as P
+
+    def local(x, idx, w, gu, dn):
+        e_local = gu.shape[0]
+        lo = jax.lax.axis_index(axis) * e_local
+        mine = (idx >= lo) & (idx < lo + e_local)
+        local_idx = jnp.where(mine, idx - lo, e_local)
+        local_w = jnp.where(mine, w, jnp.zeros_like(w))
+        out = experts(x, local_idx, local_w, gu, dn, **kwargs)
+        return jax.lax.psum(out.astype(jnp.float32), axis).astype(x.dtype)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(axis), P(axis)), out_specs=P(),
+                         check_vma=False)(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)

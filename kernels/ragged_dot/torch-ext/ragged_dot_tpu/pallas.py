@@ -58,12 +58,15 @@ CHIPS = {
 }
 
 
-def current_chip() -> str:
-    """The TPU generation of the default device; "v6e" when there is no TPU (interpret mode)."""
+def current_chip() -> str | None:
+    """The TPU generation of the default device; None off TPU (interpret mode, or compiling ahead
+    of time for some TPU from a CPU host): tiles then fit every generation's VMEM."""
     try:
         kind = jax.devices()[0].device_kind.lower()
-    except Exception:  # noqa: BLE001 - no backend at all: tiles for the default generation
-        return "v6e"
+    except Exception:  # noqa: BLE001 - no backend at all
+        return None
+    if "tpu" not in kind and "v5" not in kind and "v6" not in kind and "7" not in kind:
+        return None
     if "v5 lite" in kind or "v5e" in kind:
         return "v5e"
     if "7" in kind:
@@ -71,9 +74,18 @@ def current_chip() -> str:
     return "v6e"
 
 
+def _chip(name: str | None) -> Chip:
+    """Figures for tiling: the named (or current) chip; off TPU, v6e's speeds with the smallest
+    VMEM of all generations, so the tiles compile everywhere."""
+    name = name or current_chip()
+    if name:
+        return CHIPS[name]
+    return dataclasses.replace(CHIPS["v6e"], vmem_bytes=min(c.vmem_bytes for c in CHIPS.values()))
+
+
 def _vmem_budget(chip: Chip) -> int:
     """VMEM the pipeline may use: most of a core's VMEM, leaving room for Mosaic's own scratch."""
-    return int(chip.vmem_bytes * 0.6)
+    return int(chip.vmem_bytes * 0.45)
 
 
 def _sublanes(dtype) -> int:
@@ -90,14 +102,11 @@ def gmm_vmem_bytes(tm: int, tn: int, k: int, in_bytes: int, out_bytes: int, n_we
             + (n_weights + 1) * tm * tn * 4 + 4 * n_weights * tn * 4)
 
 
-def _tn_candidates(n: int, lane_dim: bool) -> list[int]:
-    """Block widths for a dimension of size n: n itself, then divisors of n on the (8, 128) grid."""
-    unit = 128 if lane_dim else 8
-    out = [n]
-    for t in range(_round_up(n, unit) - unit, 0, -unit):
-        if n % t == 0 and t % 128 == 0:
-            out.append(t)
-    return out
+def _tn_candidates(n: int, lane_dim: bool, divisors_only: bool = True) -> list[int]:
+    """Block widths for a dimension of size n: n itself, then multiples of 128 below it (dividing
+    n when ``divisors_only``; otherwise the last block overhangs and its extra columns are dropped)."""
+    del lane_dim  # 128 suits both the lane (multiple of 128) and the sublane (multiple of 8) rule
+    return [n] + [t for t in range(_round_up(n, 128) - 128, 0, -128) if not divisors_only or n % t == 0]
 
 
 def expected_active_groups(m: int, g: int) -> float:
@@ -106,14 +115,14 @@ def expected_active_groups(m: int, g: int) -> float:
 
 
 def choose_gmm_tiling(m: int, k: int, n: int, g: int, *, in_dtype, out_dtype, chip: str | None = None,
-                      n_weights: int = 1, lane_n: bool = True) -> tuple[int, int]:
+                      n_weights: int = 1, lane_n: bool = True, divisors_only: bool = True) -> tuple[int, int]:
     """(tm, tn) minimising a roofline model of the kernel on ``chip`` (default: the current one).
 
     tn: the widest block whose double-buffered weight slab fits VMEM (all of n when possible, so
     each expert's weights are read once and the lhs once). tm: trades wasted MXU rows (an item
     computes tm rows however few belong to its group) against grid steps (each costs ~0.35 us).
     """
-    spec = CHIPS[chip or current_chip()]
+    spec = _chip(chip)
     inb, outb = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
     sub = _sublanes(in_dtype)
     budget = _vmem_budget(spec)
@@ -121,7 +130,7 @@ def choose_gmm_tiling(m: int, k: int, n: int, g: int, *, in_dtype, out_dtype, ch
     tms = [t for t in (8, 16, 32, 64, 128, 256, 512) if t % sub == 0]
     tms = [t for t in tms if t <= max(_round_up(m, sub), sub)] or [sub]
     best = None
-    for tn in _tn_candidates(n, lane_n):
+    for tn in _tn_candidates(n, lane_n, divisors_only):
         tiles_n = -(-n // tn)
         for tm in tms:
             if gmm_vmem_bytes(tm, tn, k, inb, outb, n_weights) > budget:
@@ -143,7 +152,7 @@ def choose_gmm_tiling(m: int, k: int, n: int, g: int, *, in_dtype, out_dtype, ch
 
 def choose_tgmm_tiling(m: int, k: int, n: int, *, in_dtype, out_dtype, chip: str | None = None) -> tuple[int, int, int]:
     """(tm, tk, tn) for the weight gradient: big k/n blocks (each re-reads lhs or dout), tm 256-512."""
-    spec = CHIPS[chip or current_chip()]
+    spec = _chip(chip)
     inb = jnp.dtype(in_dtype).itemsize
     sub = _sublanes(in_dtype)
     budget = _vmem_budget(spec) // 2
@@ -272,12 +281,13 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     if tm is None or tn is None:
         ctm, ctn = choose_gmm_tiling(m, k, n, g, in_dtype=lhs.dtype, out_dtype=out_dtype, chip=chip,
-                                     n_weights=2 if gated else 1, lane_n=not transposed)
+                                     n_weights=3 if interleaved else 2 if gated else 1, lane_n=not transposed,
+                                     divisors_only=n_w == 2)
         tm, tn = tm or ctm, tn or ctn
-        if gated and n % tn:
+        if n_w == 2 and n % tn:
             tn = n
-    if gated and n % tn:
-        raise ValueError(f"a fused gated activation needs tn to divide the half width n/2={n}, got tn={tn}")
+    if n_w == 2 and n % tn:  # the up block sits n/tn blocks after the gate block
+        raise ValueError(f"a fused [gate; up] activation needs tn to divide the half width n/2={n}, got tn={tn}")
     tiles_n = -(-n // tn)
     up_off = n // tn if n_w == 2 else 0
     wn = 2 * tn if interleaved else tn  # weight columns per block
@@ -307,7 +317,7 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
     inb, outb = lhs.dtype.itemsize, out_dtype.itemsize
     if vmem_limit_bytes is None:
         need = gmm_vmem_bytes(tm, tn, k, inb, outb, 2 if gated else 1) + (4 * tm * wn * 4 if interleaved else 0)
-        vmem_limit_bytes = int(min(max(need * 1.25 + 4 * _MiB, 32 * _MiB), CHIPS[chip or current_chip()].vmem_bytes * 0.9))
+        vmem_limit_bytes = int(min(max(need * 1.25 + 4 * _MiB, 32 * _MiB), _chip(chip).vmem_bytes * 0.9))
     kernel = functools.partial(_gmm_kernel, tm=tm, num_groups=g, transposed=transposed, activation=activation,
                                interleaved=interleaved, alpha=float(alpha), limit=float(limit),
                                has_bias=bias is not None)
@@ -363,7 +373,7 @@ def tgmm(x, y, group_sizes, *, out_dtype=None, tm: int | None = None, tk: int | 
         tm, tk, tn = tm or ctm, tk or ctk, tn or ctn
     offsets, item_group, item_tile, fetch_group, fetch_tile, num_items = group_metadata(
         group_sizes, m, tm, visit_empty=True, tail=False)
-    spec = CHIPS[chip or current_chip()]
+    spec = _chip(chip)
     need = 2 * tm * (tk + tn) * x.dtype.itemsize + 3 * tk * tn * 4 + 2 * tm * (tk + tn) * 4
     return pl.pallas_call(
         functools.partial(_tgmm_kernel, tm=tm),
