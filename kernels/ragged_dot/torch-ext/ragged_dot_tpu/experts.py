@@ -99,7 +99,15 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
         y = tokamax_anchor.ragged_dot(inter, down_proj, group_sizes, rhs_transposed=transposed, out_dtype=wdt)
         valid = (jnp.arange(x.shape[0]) < group_sizes.sum())[:, None]
         y = jnp.where(valid, y, 0)  # tokamax leaves rows past sum(group_sizes) uninitialised
-    else:
+    elif not interleaved and pallas.fused_moe_tiling(x.shape[0], h, down_proj.shape[2] if transposed else down_proj.shape[1],
+                                 in_dtype=wdt, out_dtype=wdt, transposed=transposed, interleaved=interleaved):
+        # the whole expert MLP in one kernel: the intermediate never leaves VMEM. (GPT-OSS's
+        # interleaved layout takes the two-kernel path: XLA:CPU's interpreter rejects one of its
+        # bf16 dots inside this kernel, "DotThunk ... BF16 x BF16 = F32", so it is not verified.)
+        y = pallas.fused_moe(x, gate_up_proj, down_proj, group_sizes, transposed=transposed, activation=activation,
+                             interleaved=interleaved, alpha=alpha, limit=limit, gate_up_bias=gate_up_bias,
+                             down_bias=down_bias, out_dtype=wdt)
+    else:  # experts too large for VMEM whole (e.g. GPT-OSS-20B on TPU7x): two grouped matmuls
         inter = pallas.gmm(x, gate_up_proj, group_sizes, transposed=transposed, activation=activation,
                            interleaved=interleaved, alpha=alpha, limit=limit, bias=gate_up_bias, out_dtype=wdt)
         y = pallas.gmm(inter, down_proj, group_sizes, transposed=transposed, bias=down_bias, out_dtype=wdt)

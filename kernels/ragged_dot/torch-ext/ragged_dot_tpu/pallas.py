@@ -497,3 +497,125 @@ def reference(lhs, rhs, group_sizes, rhs_transposed=False, out_dtype=None):
         y = jnp.dot(lhs.astype(jnp.float32), w[i].astype(jnp.float32), precision=lax.Precision.HIGHEST)
         out = jnp.where(mine, y, out)
     return out.astype(out_dtype or lhs.dtype)
+
+
+# --------------------------------------------------------------------------- fused expert MLP
+
+def _moe_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, x_ref, *refs, tm, chunk, num_groups,
+                transposed, activation, interleaved, alpha, limit, has_bias):
+    del fetch_group, fetch_tile
+    n_w = 1 if interleaved else 2
+    w_refs, d_ref = refs[:n_w], refs[n_w]
+    b_refs, db_ref = (refs[n_w + 1:2 * n_w + 1], refs[2 * n_w + 1]) if has_bias else ((), None)
+    out_ref = refs[-1]
+    i = pl.program_id(0)
+    grp, tile = item_group[i], item_tile[i]
+    first = jnp.logical_or(i == 0, item_tile[jnp.maximum(i - 1, 0)] != tile)
+    dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
+
+    @pl.when(grp < num_groups)
+    def _compute():
+        start, end = offsets[grp], offsets[grp + 1]
+        for c in range(tm // chunk):  # MXU work only for row chunks holding rows of this group
+            lo = tile * tm + c * chunk
+            rows = pl.ds(c * chunk, chunk)
+            hit = jnp.logical_and(lo < end, lo + chunk > start)
+
+            @pl.when(hit)
+            def _chunk():
+                x = x_ref[rows, :]
+                ys = [lax.dot_general(x, w[...], dims, preferred_element_type=jnp.float32) for w in w_refs]
+                if has_bias:
+                    ys = [y + b[...].astype(jnp.float32) for y, b in zip(ys, b_refs)]
+                if interleaved:
+                    ys = _deinterleave(ys[0])
+                h = _activate(ys[0], ys[1], activation, alpha, limit).astype(d_ref.dtype)
+                y = lax.dot_general(h, d_ref[...], dims, preferred_element_type=jnp.float32)
+                if has_bias:
+                    y = y + db_ref[...].astype(jnp.float32)
+                r = lo + lax.broadcasted_iota(jnp.int32, y.shape, 0)
+                mine = jnp.logical_and(r >= start, r < end)
+                keep = jnp.where(first, jnp.zeros(y.shape, out_ref.dtype), out_ref[rows, :])
+                out_ref[rows, :] = jnp.where(mine, y.astype(out_ref.dtype), keep)
+
+            @pl.when(jnp.logical_and(first, jnp.logical_not(hit)))
+            def _zero_chunk():
+                out_ref[rows, :] = jnp.zeros((chunk, out_ref.shape[1]), out_ref.dtype)
+
+    @pl.when(jnp.logical_and(grp >= num_groups, first))
+    def _tail():
+        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+
+def moe_vmem_bytes(tm, chunk, h, i, in_bytes, out_bytes):
+    return (2 * tm * h * in_bytes + 2 * 3 * h * i * in_bytes + 2 * tm * h * out_bytes
+            + chunk * (2 * i + i + h) * 4 * 2 + 8 * (2 * i + h) * 4)
+
+
+def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True, interleaved=False):
+    """(tm, chunk) for the fused expert MLP, or None when it does not fit (then use two gmm calls):
+    each expert's gate, up and down slabs must sit in VMEM whole, double-buffered."""
+    spec = _chip(chip)
+    sub = _sublanes(in_dtype)
+    if not transposed and not interleaved and i % 128:
+        return None  # [E, H, 2I] with a half width off the lane grid cannot be split in two blocks
+    tm = min(512, _round_up(max(m, 1), sub))
+    chunk = min(tm, 128)
+    while tm > chunk and moe_vmem_bytes(tm, chunk, h, i, jnp.dtype(in_dtype).itemsize,
+                                        jnp.dtype(out_dtype).itemsize) > _vmem_budget(spec):
+        tm //= 2
+    if moe_vmem_bytes(tm, chunk, h, i, jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize) > _vmem_budget(spec):
+        return None
+    return tm, chunk
+
+
+def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="silu", interleaved=False,
+              alpha=1.702, limit=7.0, gate_up_bias=None, down_bias=None, out_dtype=None, tm=None, chunk=None,
+              chip=None):
+    """down(act(x @ gate) * (x @ up)) per group in ONE kernel: the intermediate never leaves VMEM.
+
+    x [m, H] (rows sorted by group), gate_up [g, 2I, H] / down [g, H, I] (``transposed``, the
+    transformers layout) or [g, H, 2I] / [g, I, H]; rows past sum(group_sizes) are zero. One grid
+    step per (group, m-tile) item; each expert's three weight slabs are fetched once.
+    """
+    m, h = x.shape
+    g = gate_up.shape[0]
+    i = (gate_up.shape[1] if transposed else gate_up.shape[2]) // 2
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if tm is None or chunk is None:
+        tm, chunk = fused_moe_tiling(m, h, i, in_dtype=x.dtype, out_dtype=out_dtype, chip=chip,
+                                     transposed=transposed, interleaved=interleaved)
+    offsets, item_group, item_tile, fetch_group, fetch_tile, num_items = group_metadata(
+        group_sizes, m, tm, visit_empty=False, tail=True)
+    imap = lambda f: (lambda it, off, ig, itl, fg, ft: f(it, fg, ft))  # noqa: E731
+    if interleaved:
+        w_specs = [pl.BlockSpec((None, 2 * i, h) if transposed else (None, h, 2 * i), imap(lambda it, fg, ft: (fg[it], 0, 0)))]
+    else:
+        blk = (None, i, h) if transposed else (None, h, i)
+        w_specs = [pl.BlockSpec(blk, imap(lambda it, fg, ft, s=s: (fg[it], s, 0) if transposed else (fg[it], 0, s)))
+                   for s in range(2)]
+    d_spec = pl.BlockSpec((None, h, i) if transposed else (None, i, h), imap(lambda it, fg, ft: (fg[it], 0, 0)))
+    in_specs = [pl.BlockSpec((tm, h), imap(lambda it, fg, ft: (ft[it], 0)))] + w_specs + [d_spec]
+    operands = [x] + [gate_up] * len(w_specs) + [down]
+    if gate_up_bias is not None:
+        bw = 2 * i if interleaved else i
+        in_specs += [pl.BlockSpec((None, 1, bw), imap(lambda it, fg, ft, s=s: (fg[it], 0, s))) for s in range(len(w_specs))]
+        in_specs += [pl.BlockSpec((None, 1, h), imap(lambda it, fg, ft: (fg[it], 0, 0)))]
+        operands += [gate_up_bias.reshape(g, 1, 2 * i)] * len(w_specs) + [down_bias.reshape(g, 1, h)]
+    need = moe_vmem_bytes(tm, chunk, h, i, x.dtype.itemsize, out_dtype.itemsize)
+    kernel = functools.partial(_moe_kernel, tm=tm, chunk=chunk, num_groups=g, transposed=transposed,
+                               activation=activation, interleaved=interleaved, alpha=float(alpha),
+                               limit=float(limit), has_bias=gate_up_bias is not None)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, h), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5, grid=(num_items,), in_specs=in_specs,
+            out_specs=pl.BlockSpec((tm, h), lambda it, off, ig, itl, fg, ft: (itl[it], 0))),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",),
+            vmem_limit_bytes=int(min(max(need * 1.25 + 4 * _MiB, 32 * _MiB), _chip(chip).vmem_bytes * 0.9))),
+        cost_estimate=pl.CostEstimate(flops=2 * m * h * 3 * i, transcendentals=m * i,
+                                      bytes_accessed=g * 3 * h * i * x.dtype.itemsize + m * h * (x.dtype.itemsize + out_dtype.itemsize)),
+        name="ragged_dot_fused_moe",
+    )(offsets, item_group, item_tile, fetch_group, fetch_tile, *operands)
