@@ -164,3 +164,22 @@ def test_unsupported_experts_and_bad_ids_are_refused(kern):
     with pytest.raises(ValueError, match="hidden size mismatch"):
         kern.experts_op(torch.randn(8, 32), idx[:1].expand(8, 2).contiguous(), w[:1].expand(8, 2).contiguous(),
                         mod.gate_up_proj, mod.down_proj)
+
+
+def test_experts_op_with_intermediate_off_the_lane_grid(kern):
+    """I = 64 (not a multiple of 128) with H = 128: the fused kernel reads down through its
+    [E, I, H] view (see experts.py); compared with transformers' grouped_mm."""
+    cfg = T.Qwen3MoeConfig(**{**COMMON, "hidden_size": 128}, intermediate_size=64, moe_intermediate_size=64,
+                           num_experts=8, num_experts_per_tok=2, head_dim=16)
+    cfg._experts_implementation = "grouped_mm"
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    torch.manual_seed(0)
+    mod = Qwen3MoeExperts(cfg)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.copy_(0.1 * torch.randn_like(p))
+        x = torch.randn(11, 128)
+        idx, w = _routing(11, 8, 2, seed=5)
+        torch.testing.assert_close(kern.experts_forward(mod, x, idx, w),
+                                   ALL_EXPERTS_FUNCTIONS["grouped_mm"](mod, x, idx, w), rtol=1e-5, atol=1e-5)

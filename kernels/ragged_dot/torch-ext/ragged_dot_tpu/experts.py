@@ -104,9 +104,15 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
         # the whole expert MLP in one kernel: the intermediate never leaves VMEM. (GPT-OSS's
         # interleaved layout takes the two-kernel path: XLA:CPU's interpreter rejects one of its
         # bf16 dots inside this kernel, "DotThunk ... BF16 x BF16 = F32", so it is not verified.)
-        y = pallas.fused_moe(x, gate_up_proj, down_proj, group_sizes, transposed=transposed, activation=activation,
+        down, down_t = down_proj, transposed
+        if transposed and down_proj.shape[2] % 128 and h % 128 == 0:
+            # TPU's default layout of [E, H, I] with I off the 128-lane grid is minor-to-major
+            # {1,2,0}, i.e. physically [E, I, H]: take that view (a layout bitcast, no copy) rather
+            # than have XLA relayout the whole weight for the kernel (Gemma-4: I = 704).
+            down, down_t = jnp.swapaxes(down_proj, 1, 2), False
+        y = pallas.fused_moe(x, gate_up_proj, down, group_sizes, transposed=transposed, activation=activation,
                              interleaved=interleaved, alpha=alpha, limit=limit, gate_up_bias=gate_up_bias,
-                             down_bias=down_bias, out_dtype=wdt)
+                             down_bias=down_bias, out_dtype=wdt, down_transposed=down_t)
     else:  # experts too large for VMEM whole (e.g. GPT-OSS-20B on TPU7x): two grouped matmuls
         inter = pallas.gmm(x, gate_up_proj, group_sizes, transposed=transposed, activation=activation,
                            interleaved=interleaved, alpha=alpha, limit=limit, bias=gate_up_bias, out_dtype=wdt)
