@@ -117,11 +117,12 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
         inter = pallas.gmm(x, gate_up_proj, group_sizes, transposed=transposed, activation=activation,
                            interleaved=interleaved, alpha=alpha, limit=limit, bias=gate_up_bias, out_dtype=wdt)
         y = pallas.gmm(inter, down_proj, group_sizes, transposed=transposed, bias=down_bias, out_dtype=wdt)
-    w_sorted = top_k_weights.reshape(-1)[order]
-    prod = jnp.promote_types(y.dtype, top_k_weights.dtype)
-    weighted = y.astype(prod) * w_sorted[:, None].astype(prod)
+    # unsort by gathering each (token, k) row back, weight in the promoted dtype (as grouped_mm),
+    # sum over k in f32: one XLA fusion reading y once, no [S, H] temporary
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-    out = weighted[inverse].reshape(t, k, h).astype(jnp.float32).sum(axis=1)
+    prod = jnp.promote_types(y.dtype, top_k_weights.dtype)
+    rows = y[inverse].reshape(t, k, h).astype(prod)
+    out = (rows * top_k_weights[:, :, None].astype(prod)).astype(jnp.float32).sum(axis=1)
     return out.astype(hidden_states.dtype)
 
 
