@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import sys
 
@@ -24,6 +25,11 @@ except ImportError:  # the cost table does not need the kernels library
 
 # --------------------------------------------------------------------------- `kernels benchmark` workloads
 
+def _synchronize(kernel, out):
+    """`kernels benchmark` does not synchronise TPUs: wait with the vendored bridge's helper."""
+    importlib.import_module(kernel.__name__ + "._bridge").synchronize(out)
+
+
 class RaggedDotBenchmark(Benchmark):
     seed = 0
 
@@ -36,6 +42,7 @@ class RaggedDotBenchmark(Benchmark):
 
     def benchmark_decode(self):
         self.out = self.kernel.ragged_dot(self.lhs, self.rhs, self.sizes, True)
+        _synchronize(self.kernel, self.out)
 
     def verify_decode(self):
         ends = torch.cumsum(self.sizes, 0).tolist()
