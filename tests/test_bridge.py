@@ -15,7 +15,7 @@ FIXTURE = "tests/fixtures/scale_add"
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_dlpack_is_zero_copy_both_ways(dtype):
     t = torch.randn(64, 128).to(dtype)
-    a = bridge.to_jax(t)
+    a = jax.device_put(bridge.to_jax(t))  # what jit does with the argument
     assert a.unsafe_buffer_pointer() == t.data_ptr()  # torch -> jax shares memory
     out = jnp.asarray(a) * 2
     (back,) = bridge.to_torch([out], [t])
@@ -24,7 +24,7 @@ def test_dlpack_is_zero_copy_both_ways(dtype):
 
 
 def test_int64_becomes_int32_and_out_of_range_is_refused():
-    a = bridge.to_jax(torch.tensor([0, 5, 2**31 - 1], dtype=torch.int64))
+    a = jnp.asarray(bridge.to_jax(torch.tensor([0, 5, 2**31 - 1], dtype=torch.int64)))
     assert a.dtype == jnp.int32 and a.tolist() == [0, 5, 2**31 - 1]
     with pytest.raises(ValueError, match="int32 range"):
         bridge.to_jax(torch.tensor([2**31], dtype=torch.int64))
