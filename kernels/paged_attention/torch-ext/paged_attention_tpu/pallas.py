@@ -395,3 +395,107 @@ def reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None,
             scale=scale, causal=True, window=window or None, softcap=softcap or None, sinks=sinks)
         out[cu[s]: cu[s + 1]] = np.asarray(jnp.swapaxes(o[0], 0, 1))
     return out
+
+
+# --------------------------------------------------------------------------- writing new K/V into pages
+
+def validate_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens):
+    check_array("new_k", new_k, dtypes=KV_DTYPES, ndim=3)
+    check_array("new_v", new_v, dtypes=KV_DTYPES, ndim=3)
+    _, _, hkv, d = k_pages.shape
+    if tuple(new_k.shape[1:]) != (hkv, d) or tuple(new_v.shape) != tuple(new_k.shape):
+        raise ValueError(f"new_k and new_v must have shape [T, {hkv}, {d}] (the cache's heads and head_dim), "
+                         f"got {tuple(new_k.shape)} and {tuple(new_v.shape)}")
+    if dtype_name(new_k) != dtype_name(k_pages) or dtype_name(new_v) != dtype_name(k_pages):
+        raise TypeError(f"new_k/new_v must have the cache dtype {dtype_name(k_pages)}, "
+                        f"got {dtype_name(new_k)}/{dtype_name(new_v)}")
+    # Same metadata rules as attention (q stands in for the new tokens: same rows).
+    validate(new_k, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
+
+
+def write_slots(kv_lens, page_indices, cu_q_lens, t, num_pages, page):
+    """(page id, row in page) for each packed new token; page id -1 = do not write (padding rows,
+    or a target outside the cache: a bad write is skipped rather than clamped onto another page)."""
+    num_seqs, pps = page_indices.shape
+    cu = sanitize_cu(cu_q_lens, t)
+    r = jnp.arange(t, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu, r, side="right") - 1, 0, num_seqs - 1)
+    pos = kv_lens[seq] - (cu[seq + 1] - cu[seq]) + r - cu[seq]
+    col = pos // page
+    pid = page_indices[seq, jnp.clip(col, 0, pps - 1)]
+    ok = (r < cu[-1]) & (pos >= 0) & (col < pps) & (pid >= 0) & (pid < num_pages)
+    return jnp.where(ok, pid, -1).astype(jnp.int32), (pos % page).astype(jnp.int32)
+
+
+def _write_kernel(pid_ref, off_ref, new_k, new_v, k_in, v_in, k_out, v_out, sems, *, in_flight):
+    del k_in, v_in  # aliased: k_out/v_out are the same buffers
+    t = new_k.shape[0]
+
+    def copies(r):
+        p, o = jnp.maximum(pid_ref[r], 0), off_ref[r]
+        return (pltpu.make_async_copy(new_k.at[r], k_out.at[p, o], sems.at[0]),
+                pltpu.make_async_copy(new_v.at[r], v_out.at[p, o], sems.at[1]))
+
+    def wait(r):
+        @pl.when(pid_ref[r] >= 0)
+        def _():
+            for c in copies(r):
+                c.wait()
+
+    def body(r, carry):
+        @pl.when(pid_ref[r] >= 0)
+        def _():
+            for c in copies(r):
+                c.start()
+
+        @pl.when(r >= in_flight)  # bound the DMAs in flight
+        def _():
+            wait(r - in_flight)
+
+        return carry
+
+    jax.lax.fori_loop(0, t, body, 0)
+    jax.lax.fori_loop(max(t - in_flight, 0), t, lambda r, c: (wait(r), c)[1], 0)
+
+
+def write_kv(
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    new_k: jax.Array,
+    new_v: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """The caches with each sequence's new tokens [T, Hkv, D] written at positions
+    kv_lens - q_len ... kv_lens - 1 of its pages. Outputs alias the cache inputs
+    (input_output_aliases): under jit with donated caches this is an in-place update, one
+    [Hkv, D] DMA per token, HBM to HBM."""
+    validate_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens)
+    t = new_k.shape[0]
+    num_pages, page = k_pages.shape[:2]
+    pid, off = write_slots(kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32),
+                           cu_q_lens.astype(jnp.int32), t, num_pages, page)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        functools.partial(_write_kernel, in_flight=8),
+        out_shape=(jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(1,), in_specs=[any_spec] * 4, out_specs=(any_spec, any_spec),
+            scratch_shapes=[pltpu.SemaphoreType.DMA((2,))]),
+        input_output_aliases={4: 0, 5: 1},  # operands: pid, off, new_k, new_v, k_pages, v_pages
+        name="write_kv",
+    )(pid, off, new_k, new_v, k_pages, v_pages)
+
+
+def reference_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens):
+    """Host loop: numpy copies of the caches with the new tokens written."""
+    k, v = np.array(k_pages), np.array(v_pages)
+    page = k.shape[1]
+    cu, lens, table = np.asarray(cu_q_lens), np.asarray(kv_lens), np.asarray(page_indices)
+    for s in range(len(lens)):
+        for i, r in enumerate(range(cu[s], cu[s + 1])):
+            pos = lens[s] - (cu[s + 1] - cu[s]) + i
+            k[table[s, pos // page], pos % page] = np.asarray(new_k[r])
+            v[table[s, pos // page], pos % page] = np.asarray(new_v[r])
+    return k, v
