@@ -38,9 +38,14 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     """transformers attention function for continuous batching; returns ((1, Tq, Hq, D), None)."""
     from . import ragged_paged_attention, write_kv_
 
-    if "cu_seq_lens_q" not in kwargs:
-        raise ValueError(f"{CB_NAME} is a continuous-batching (generate_batch) attention; it needs cu_seq_lens_q "
-                         "and cu_seq_lens_k from PagedAttentionArgs")
+    if "cu_seq_lens_q" not in kwargs:  # not continuous batching (plain forward/generate): the model's eager
+        import sys
+
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if eager is None:
+            raise ValueError(f"{CB_NAME} runs continuous batching (generate_batch); outside it, it falls back to the "
+                             f"model's eager_attention_forward, which {type(module).__module__} does not define")
+        return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if dropout:
         raise ValueError(f"{CB_NAME} is an inference kernel: dropout must be 0, got {dropout}")
     cu_q = kwargs["cu_seq_lens_q"].to(torch.int32)
@@ -67,27 +72,38 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     return out[None], None
 
 
-def enable_continuous_batching(name: str = CB_NAME, decode_block_tables: bool = True) -> str:
-    """Make ``model.generate_batch`` run on this kernel; returns the attn_implementation name to use.
+def enable_continuous_batching(model=None, name: str = CB_NAME, decode_block_tables: bool = True) -> str:
+    """Make ``generate_batch`` run on this kernel; returns the attn_implementation name.
+
+    Use either ``enable_continuous_batching(model)`` on a loaded model (any attn_implementation; works
+    for every model), or call it first and load with ``attn_implementation=<returned name>`` (not for
+    models that list ``_compatible_flash_implementations``, e.g. GPT-OSS: transformers replaces any
+    "flash" name by one of those Hub kernels at init).
 
     The one place holding the workarounds transformers 5.x needs (see CARD.md):
-      1. register ``paged_attention_forward`` under ``name`` (AttentionInterface, public API); CB only
-         accepts names containing "flash" besides its built-ins;
-      2. model init calls ``lazy_import_flash_attention(name)`` for a "flash" name, which tries to load a
-         Hub flash kernel and raises: mark ``name`` as already loaded (private
+      1. register ``paged_attention_forward`` (and ``eager_mask``: outside CB it runs the model's eager
+         attention, so plain ``generate`` keeps working) under ``name``, a
+         name containing "flash" (CB accepts only those besides its built-ins);
+      2. init calls ``lazy_import_flash_attention(name)`` for "flash" names, which tries to load a Hub
+         flash kernel and raises: mark ``name`` as already loaded (private
          ``modeling_flash_attention_utils._loaded_implementation``; our function never uses those helpers);
-      3. ``decode_block_tables``: CB passes block tables (decode fast path) only for FA2/FA3 on CUDA/XPU;
-         for ``name`` we keep transformers' own allocator check and skip the device check.
-    Call it before creating the model.
+         with ``model`` given, its config is switched directly (``config._attn_implementation``), so
+         init-time checks never see the name;
+      3. ``decode_block_tables``: CB passes block tables (the decode fast path) only for FA2/FA3 on
+         CUDA/XPU; for ``name`` keep transformers' own allocator check, skip the device check.
     """
     import transformers.generation.continuous_batching.initialization as cb_init
     import transformers.modeling_flash_attention_utils as mfau
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
     if "flash" not in name:
         raise ValueError(f"continuous batching accepts custom attention names only if they contain 'flash', got {name!r}")
     AttentionInterface.register(name, paged_attention_forward)
+    AttentionMaskInterface.register(name, eager_mask)
     mfau._loaded_implementation = name
+    if model is not None:
+        model.config._attn_implementation = name
     current = cb_init.ensure_decode_fast_path_is_available
     original = getattr(current, "_paged_tpu_original", current)
 
