@@ -23,19 +23,27 @@ def _attention(kernel, num_seqs, context, page, dtype=jnp.bfloat16, tokens=None)
     return kernel.pallas.ragged_paged_attention, args
 
 
+def _fits(name, fn, args, static, tokens):
+    """256 x 32k tokens of bf16 K+V is 16 GiB: more than v5e's 15.75 GiB of HBM. Declared, so it must fail."""
+    if tokens * 2 * HKV * D * 2 < 15 * 2**30:
+        return [Config(name, fn, args, static)]
+    return [Config(name, fn, args, static, chips=("v6e", "tpu7x")),
+            Config(name + " (cache > v5e HBM)", fn, args, static, chips=("v5e",), fails_with="RESOURCE_EXHAUSTED")]
+
+
 def configs(kernel):
     out = []
     for num_seqs in (64, 256):
         for context in (2048, 8192, 32768):
             for page in (16, 128):
                 fn, args = _attention(kernel, num_seqs, context, page)
-                out.append(Config(f"decode {num_seqs} seqs x {context // 1024}k bf16 page {page}", fn, args,
-                                  dict(scale=D**-0.5)))
+                out += _fits(f"decode {num_seqs} seqs x {context // 1024}k bf16 page {page}", fn, args,
+                             dict(scale=D**-0.5), num_seqs * context)
         # mixed: 4 prefill chunks of 512 tokens plus decodes, 2048 + num_seqs - 4 query rows
         for context, page in ((8192, 128), (32768, 16)):
             fn, args = _attention(kernel, num_seqs, context, page, tokens=4 * 512 + num_seqs - 4)
-            out.append(Config(f"mixed {num_seqs} seqs {context // 1024}k bf16 page {page}", fn, args,
-                              dict(scale=D**-0.5, block_q=64)))
+            out += _fits(f"mixed {num_seqs} seqs {context // 1024}k bf16 page {page}", fn, args,
+                         dict(scale=D**-0.5, block_q=64), num_seqs * context)
     fn, args = _attention(kernel, 64, 8192, 64, jnp.float32)
     out.append(Config("decode 64 seqs x 8k f32 page 64, window 4096 softcap 30", fn, args,
                       dict(scale=D**-0.5, window=4096, softcap=30.0)))
