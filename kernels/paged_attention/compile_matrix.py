@@ -43,7 +43,7 @@ def configs(kernel):
         for context, page in ((8192, 128), (32768, 16)):
             fn, args = _attention(kernel, num_seqs, context, page, tokens=4 * 512 + num_seqs - 4)
             out += _fits(f"mixed {num_seqs} seqs {context // 1024}k bf16 page {page}", fn, args,
-                         dict(scale=D**-0.5, block_q=64), num_seqs * context)
+                         dict(scale=D**-0.5), num_seqs * context)
     fn, args = _attention(kernel, 64, 8192, 64, jnp.float32)
     out.append(Config("decode 64 seqs x 8k f32 page 64, window 4096 softcap 30", fn, args,
                       dict(scale=D**-0.5, window=4096, softcap=30.0)))

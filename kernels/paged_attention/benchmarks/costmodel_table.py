@@ -106,10 +106,11 @@ def rows(k, quick):
         gather = 2 * n * ctx * 2 * HKV * D * 2 / bw
         t = cg.time(chip) + gather
         out.append(("", "gather (XLA, 2x KV bytes) + dense", t, costmodel.ideal_time(mb, mf, chip) / t))
-    mixes = [("mixed 60 decodes x 8k + 4 prefill x 512 (ctx 4k)", [1] * 60 + [512] * 4, [8192] * 60 + [4096] * 4, 128, 64)]
+    mixes = [("mixed 60 decodes x 8k + 4 prefill x 512 (ctx 4k)", [1] * 60 + [512] * 4, [8192] * 60 + [4096] * 4, 128, 0),
+             ("same, 128-row tiles (block_q=16, the old default)", [1] * 60 + [512] * 4, [8192] * 60 + [4096] * 4, 128, 16)]
     if not quick:
         mixes.append(("mixed 250 decodes x 2k + 6 prefill x 1k (new)", [1] * 250 + [1024] * 6, [2048] * 250 + [1024] * 6,
-                      16, 64))
+                      16, 0))
     for name, ql, kl, page, bq in mixes:
         b = batch(ql, kl, page)
         mb, mf = minimum(b)

@@ -66,7 +66,7 @@ CASES = {
     "mixed_window_softcap_sinks": ([30, 1, 0, 7, 1], [100, 33, 0, 7, 250], dict(sinks=True),
                                    dict(window=24, softcap=20.0, block_kv=32)),
     "bf16_gqa4_page128": ([3, 1, 60, 1], [3, 300, 90, 129], dict(page=128, hq=8, hkv=2, dtype=jnp.bfloat16),
-                          dict(block_kv=128)),
+                          dict(block_kv=128, block_q=64)),  # 256-row tiles: two row blocks
     "bf16_mixed_window_sinks": ([1, 12, 1], [70, 40, 1], dict(dtype=jnp.bfloat16, hq=2, hkv=2, sinks=True),
                                 dict(window=8)),
     "mha_d64_chunked_prefill": ([16, 16], [48, 80], dict(hq=2, hkv=2, d=64, shuffle=False), dict(block_q=8)),
@@ -242,7 +242,7 @@ def test_compiles_for_tpu(load_kernel, name):
     spec = importlib.util.spec_from_file_location("_paged_matrix", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    (config,) = [c for c in mod.configs(k) if c.name.startswith(name)]
     chip = {"decode": "v6e", "mixed": "tpu7x"}[name.split()[0]]
+    (config,) = [c for c in mod.configs(k) if c.name == name and chip in c.chips]
     result = compile_for_tpu(config.fn, *config.args, chip=chip, **config.static)
     assert result.ok, result.error

@@ -135,9 +135,12 @@ def validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, 
 # --------------------------------------------------------------------------- work items
 
 def _default_block_q(group: int, dtype) -> int:
-    """Query tokens per tile: about 128 rows of (token, q head in group), a multiple of the sublane tile."""
+    """Query tokens per tile: about 1024 rows of (token, q head in group), a multiple of the sublane tile.
+    Large tiles let prefill chunks re-read their KV less often; decode items in a tile still compute
+    only their own 128-row block (cost model: 64 x 8k decode 0.96 of roofline either way, the mixed
+    batch of costmodel_table.py 0.76 with 128-row tiles, 0.90 with 2048)."""
     sub = 16 if jnp.dtype(dtype).itemsize == 2 else 8
-    bq = max(1, 128 // group)
+    bq = max(1, 1024 // group)
     while (bq * group) % sub:
         bq += 1
     return bq
@@ -185,7 +188,7 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
             q_ref, table_hbm, k_hbm, v_hbm, sinks_ref,  # inputs
             o_ref,  # output block [Hkv, R, D]
             table_smem, kbuf, vbuf, sems, table_sem, m_ref, l_ref, acc_ref,  # scratch
-            *, scale, window, softcap, block_q, group, pages_per_block, has_sinks):
+            *, scale, window, softcap, block_q, group, pages_per_block, sub_rows, has_sinks):
     item = pl.program_id(0)
     seq, tile = item_seq_ref[item], item_tile_ref[item]
     num_pages, page = k_hbm.shape[0], k_hbm.shape[1]
@@ -261,15 +264,34 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
             wait(c, slot)
             chunk_start = (first_page + c * pages_per_block) * page
             k_pos = chunk_start + jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
-            ok = mine & am.allowed(q_pos, k_pos, causal=True, window=window or None) & (k_pos < kv_end)
             # Slots of pages past the end were not fetched: zero them so 0 * garbage cannot give NaN.
             v_ok = chunk_start + jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) < kv_end
-            for h in range(hkv):
-                k = kbuf[slot, :, :, h, :].reshape(chunk, d)
-                v = jnp.where(v_ok, vbuf[slot, :, :, h, :].reshape(chunk, d), 0)
-                sc = am.scores(q_ref[h], k, scale=scale, softcap=softcap or None)
-                m, l, acc = am.online_softmax_step(m_ref[h], l_ref[h], acc_ref[h], sc, ok, v)
-                m_ref[h], l_ref[h], acc_ref[h] = m, l, acc
+
+            def rows_block(j, carry):
+                # Only the row blocks holding this item's rows are computed: a decode item in a tile
+                # shared by many sequences costs its own rows, not the tile's.
+                r0 = pl.multiple_of(j * sub_rows, sub_rows)
+                rows_ = pl.ds(r0, sub_rows)
+                tok = tile_start + _div(r0 + jax.lax.broadcasted_iota(jnp.int32, (sub_rows, 1), 0), group)
+                qp = offset + tok - q_start
+                ok = (tok >= lo) & (tok < hi) & am.allowed(qp, k_pos, causal=True, window=window or None)
+                ok &= k_pos < kv_end
+                last_q = offset + jnp.minimum(tile_start + _div(r0 + sub_rows - 1, group), hi - 1) - q_start
+
+                @pl.when(chunk_start <= last_q)  # blocks entirely above the causal diagonal: nothing to see
+                def _():
+                    for h in range(hkv):
+                        k = kbuf[slot, :, :, h, :].reshape(chunk, d)
+                        v = jnp.where(v_ok, vbuf[slot, :, :, h, :].reshape(chunk, d), 0)
+                        sc = am.scores(q_ref[h, rows_, :], k, scale=scale, softcap=softcap or None)
+                        m, l, acc = am.online_softmax_step(m_ref[h, rows_, :], l_ref[h, rows_, :],
+                                                           acc_ref[h, rows_, :], sc, ok, v)
+                        m_ref[h, rows_, :], l_ref[h, rows_, :], acc_ref[h, rows_, :] = m, l, acc
+
+                return carry
+
+            jax.lax.fori_loop(_div((lo - tile_start) * group, sub_rows),
+                              _div((hi - tile_start) * group + sub_rows - 1, sub_rows), rows_block, 0)
             return carry
 
         jax.lax.fori_loop(0, num_chunks, body, 0)
@@ -282,6 +304,15 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
                     sink = jnp.where(jax.lax.rem(row, group) == g, sinks_ref[h * group + g], sink)
             out, _ = am.finalize(m_ref[h], l_ref[h], acc_ref[h], sink)
             o_ref[h] = jnp.where(mine, out.astype(o_ref.dtype), o_ref[h])
+
+
+def _sub_rows(rows, dtype):
+    """Rows computed per step inside a tile: 128 when the tile splits evenly, else the whole tile."""
+    sub = 16 if jnp.dtype(dtype).itemsize == 2 else 8
+    for n in (128, 64, 32, 16, 8):
+        if n % sub == 0 and rows % n == 0:
+            return n
+    return rows
 
 
 def vmem_estimate(rows, hkv, d, page, pages_per_block, dtype) -> int:
@@ -313,7 +344,7 @@ def ragged_paged_attention(
     """Attention of packed ragged queries over a paged KV cache; returns [T, Hq, D] in q's dtype.
 
     ``window`` 0 = none (else transformers' sliding window: key > query - window), ``softcap`` 0 =
-    none, ``sinks`` [Hq] GPT-OSS sink logits, ``block_q`` query tokens per tile (0 = about 128 rows),
+    none, ``sinks`` [Hq] GPT-OSS sink logits, ``block_q`` query tokens per tile (0 = about 1024 rows),
     ``block_kv`` tokens fetched per DMA chunk (rounded to whole pages).
     """
     validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks, scale, window, softcap, block_q, block_kv)
@@ -339,7 +370,7 @@ def ragged_paged_attention(
 
     kernel = functools.partial(
         _kernel, scale=float(scale), window=int(window), softcap=float(softcap), block_q=bq, group=group,
-        pages_per_block=pages_per_block, has_sinks=sinks is not None)
+        pages_per_block=pages_per_block, sub_rows=_sub_rows(rows, q.dtype), has_sinks=sinks is not None)
     block = pl.BlockSpec((hkv, rows, d), lambda i, lens, cu, tiles, seqs: (0, tiles[i], 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     vmem = vmem_estimate(rows, hkv, d, page, pages_per_block, k_pages.dtype)
