@@ -44,7 +44,9 @@ class PagedAttentionBenchmark(Benchmark):
         self.kv_lens = torch.tensor(kv_lens, dtype=torch.int32)
         self.q = torch.randn(int(self.cu[-1]), HQ, D, device=self.device, dtype=torch.bfloat16)
         self.kp = torch.randn(len(perm), PAGE, HKV, D, device=self.device, dtype=torch.bfloat16)
-        self.vp = torch.randn(len(perm), PAGE, HKV, D, device=self.device, dtype=torch.bfloat16)
+        # values scaled so outputs stay below 1: the runner's atol=1e-2 is then above one bf16 ulp of the
+        # output (prefill rows that see few keys output almost a raw V row)
+        self.vp = 0.25 * torch.randn(len(perm), PAGE, HKV, D, device=self.device, dtype=torch.bfloat16)
 
     def _run(self):
         self.out = self.kernel.ragged_paged_attention(self.q, self.kp, self.vp, self.kv_lens, self.table, self.cu,
