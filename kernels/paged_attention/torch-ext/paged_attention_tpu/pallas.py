@@ -82,9 +82,13 @@ def validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, 
         raise ValueError(f"q heads ({hq}) must be a multiple of the KV heads of k_pages ({hkv})")
     if not 1 <= page <= 1024:
         raise ValueError(f"page size (k_pages.shape[1]) must be in [1, 1024], got {page}")
-    if page % 8:
-        raise ValueError(f"page size (k_pages.shape[1]) must be a multiple of 8 (TPU sublanes), got {page}")
+    sub = 16 if dtype_name(k_pages) == "bfloat16" else 8
+    if page % sub:
+        raise ValueError(f"page size (k_pages.shape[1]) must be a multiple of {sub} for {dtype_name(k_pages)} "
+                         f"(TPU sublane tile), got {page}")
     num_seqs, pps = page_indices.shape
+    if num_seqs == 0 or pps == 0:
+        raise ValueError(f"page_indices must have at least one sequence and one column, got shape {(num_seqs, pps)}")
     if tuple(kv_lens.shape) != (num_seqs,):
         raise ValueError(f"kv_lens must have shape ({num_seqs},) (one per page_indices row), got {tuple(kv_lens.shape)}")
     if tuple(cu_q_lens.shape) != (num_seqs + 1,):
