@@ -245,14 +245,25 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
                     ck.wait()
                     cv.wait()
 
-        m_ref[...] = jnp.full_like(m_ref, am.MASK_VALUE)
-        l_ref[...] = jnp.zeros_like(l_ref)
-        acc_ref[...] = jnp.zeros_like(acc_ref)
+        # Only the row blocks holding this item's rows are touched: a decode item in a tile shared by
+        # many sequences costs its own rows, not the tile's. Row r of a block is (token, head in group).
+        first_block = _div((lo - tile_start) * group, sub_rows)
+        end_block = _div((hi - tile_start) * group + sub_rows - 1, sub_rows)
 
-        row = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-        token = tile_start + _div(row, group)  # packed query row of each (token, head-in-group) row
-        mine = (token >= lo) & (token < hi)
-        q_pos = offset + token - q_start
+        def block_rows(j):
+            r0 = pl.multiple_of(j * sub_rows, sub_rows)
+            r = r0 + jax.lax.broadcasted_iota(jnp.int32, (sub_rows, 1), 0)
+            tok = tile_start + _div(r, group)  # packed query row
+            return r0, pl.ds(r0, sub_rows), r, tok, (tok >= lo) & (tok < hi)
+
+        def init_block(j, carry):
+            _, rs, _, _, _ = block_rows(j)
+            m_ref[:, rs, :] = jnp.full((hkv, sub_rows, 1), am.MASK_VALUE, jnp.float32)
+            l_ref[:, rs, :] = jnp.zeros((hkv, sub_rows, 1), jnp.float32)
+            acc_ref[:, rs, :] = jnp.zeros((hkv, sub_rows, d), jnp.float32)
+            return carry
+
+        jax.lax.fori_loop(first_block, end_block, init_block, 0)
 
         @pl.when(num_chunks > 0)
         def _():
@@ -271,14 +282,9 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
             # Slots of pages past the end were not fetched: zero them so 0 * garbage cannot give NaN.
             v_ok = chunk_start + jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) < kv_end
 
-            def rows_block(j, carry):
-                # Only the row blocks holding this item's rows are computed: a decode item in a tile
-                # shared by many sequences costs its own rows, not the tile's.
-                r0 = pl.multiple_of(j * sub_rows, sub_rows)
-                rows_ = pl.ds(r0, sub_rows)
-                tok = tile_start + _div(r0 + jax.lax.broadcasted_iota(jnp.int32, (sub_rows, 1), 0), group)
-                qp = offset + tok - q_start
-                ok = (tok >= lo) & (tok < hi) & am.allowed(qp, k_pos, causal=True, window=window or None)
+            def compute_block(j, carry):
+                r0, rs, _, tok, mine = block_rows(j)
+                ok = mine & am.allowed(offset + tok - q_start, k_pos, causal=True, window=window or None)
                 ok &= k_pos < kv_end
                 last_q = offset + jnp.minimum(tile_start + _div(r0 + sub_rows - 1, group), hi - 1) - q_start
 
@@ -287,27 +293,31 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
                     for h in range(hkv):
                         k = kbuf[slot, :, :, h, :].reshape(chunk, d)
                         v = jnp.where(v_ok, vbuf[slot, :, :, h, :].reshape(chunk, d), 0)
-                        sc = am.scores(q_ref[h, rows_, :], k, scale=scale, softcap=softcap or None)
-                        m, l, acc = am.online_softmax_step(m_ref[h, rows_, :], l_ref[h, rows_, :],
-                                                           acc_ref[h, rows_, :], sc, ok, v)
-                        m_ref[h, rows_, :], l_ref[h, rows_, :], acc_ref[h, rows_, :] = m, l, acc
+                        sc = am.scores(q_ref[h, rs, :], k, scale=scale, softcap=softcap or None)
+                        m, l, acc = am.online_softmax_step(m_ref[h, rs, :], l_ref[h, rs, :], acc_ref[h, rs, :],
+                                                           sc, ok, v)
+                        m_ref[h, rs, :], l_ref[h, rs, :], acc_ref[h, rs, :] = m, l, acc
 
                 return carry
 
-            jax.lax.fori_loop(_div((lo - tile_start) * group, sub_rows),
-                              _div((hi - tile_start) * group + sub_rows - 1, sub_rows), rows_block, 0)
+            jax.lax.fori_loop(first_block, end_block, compute_block, 0)
             return carry
 
         jax.lax.fori_loop(0, num_chunks, body, 0)
 
-        for h in range(hkv):
-            sink = None
-            if has_sinks:
-                sink = jnp.full((rows, 1), sinks_ref[h * group], jnp.float32)
-                for g in range(1, group):
-                    sink = jnp.where(jax.lax.rem(row, group) == g, sinks_ref[h * group + g], sink)
-            out, _ = am.finalize(m_ref[h], l_ref[h], acc_ref[h], sink)
-            o_ref[h] = jnp.where(mine, out.astype(o_ref.dtype), o_ref[h])
+        def finalize_block(j, carry):
+            _, rs, r, _, mine = block_rows(j)
+            for h in range(hkv):
+                sink = None
+                if has_sinks:  # q head h*G + (r mod G)
+                    sink = jnp.full((sub_rows, 1), sinks_ref[h * group], jnp.float32)
+                    for g in range(1, group):
+                        sink = jnp.where(jax.lax.rem(r, group) == g, sinks_ref[h * group + g], sink)
+                out, _ = am.finalize(m_ref[h, rs, :], l_ref[h, rs, :], acc_ref[h, rs, :], sink)
+                o_ref[h, rs, :] = jnp.where(mine, out.astype(o_ref.dtype), o_ref[h, rs, :])
+            return carry
+
+        jax.lax.fori_loop(first_block, end_block, finalize_block, 0)
 
 
 def _sub_rows(rows, dtype):
