@@ -61,14 +61,14 @@ def check(k, args, *, mode="fast", **static):
 
 CASES = {
     # name: (q_lens, kv_lens, make_case kwargs, kernel static kwargs)
-    "decode": ([1] * 9, [1, 17, 40, 16, 33, 5, 64, 2, 30], dict(), dict()),
+    "decode": ([1] * 9, [1, 17, 40, 16, 33, 5, 64, 2, 30], dict(), dict(block_q=4)),  # 2-3 sequences a tile
     "prefill": ([37, 5, 20], [37, 5, 20], dict(page=64), dict(block_q=8)),
     "mixed_window_softcap_sinks": ([30, 1, 0, 7, 1], [100, 33, 0, 7, 250], dict(sinks=True),
-                                   dict(window=24, softcap=20.0, block_kv=32)),
+                                   dict(window=24, softcap=20.0, block_kv=32)),  # default tiles
     "bf16_gqa4_page128": ([3, 1, 60, 1], [3, 300, 90, 129], dict(page=128, hq=8, hkv=2, dtype=jnp.bfloat16),
                           dict(block_kv=128, block_q=64)),  # 256-row tiles: two row blocks
     "bf16_mixed_window_sinks": ([1, 12, 1], [70, 40, 1], dict(dtype=jnp.bfloat16, hq=2, hkv=2, sinks=True),
-                                dict(window=8)),
+                                dict(window=8, block_q=16)),
     "mha_d64_chunked_prefill": ([16, 16], [48, 80], dict(hq=2, hkv=2, d=64, shuffle=False), dict(block_q=8)),
 }
 
@@ -118,7 +118,7 @@ def test_torch_op_int64_metadata(load_kernel):
 def test_strict_interpreter_matches_reference(load_kernel):
     k = load_kernel("paged_attention")
     args = make_case([3, 1, 0, 2], [20, 33, 0, 2], sinks=True, extra_rows=2)
-    check(k, args, mode="strict", window=8, softcap=20.0, block_kv=16)
+    check(k, args, mode="strict", window=8, softcap=20.0, block_kv=16, block_q=8)
 
 
 @pytest.mark.strict_interpret
