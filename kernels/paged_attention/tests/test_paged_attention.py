@@ -246,3 +246,15 @@ def test_compiles_for_tpu(load_kernel, name):
     (config,) = [c for c in mod.configs(k) if c.name == name and chip in c.chips]
     result = compile_for_tpu(config.fn, *config.args, chip=chip, **config.static)
     assert result.ok, result.error
+
+
+def test_write_kv_is_in_place_when_the_cache_is_donated(load_kernel):
+    k = load_kernel("paged_attention")
+    kp, vp = jnp.zeros((8, 16, 2, 128)), jnp.ones((8, 16, 2, 128))
+    ptr = kp.unsafe_buffer_pointer(), vp.unsafe_buffer_pointer()
+    with interpret("fast"):
+        ko, vo = jax.jit(k.pallas.write_kv, donate_argnums=(0, 1))(
+            kp, vp, jnp.full((3, 2, 128), 5.0), jnp.full((3, 2, 128), 7.0), jnp.array([3], jnp.int32),
+            jnp.array([[2]], jnp.int32), jnp.array([0, 3], jnp.int32))
+    assert (ko.unsafe_buffer_pointer(), vo.unsafe_buffer_pointer()) == ptr  # aliased: no copy of the cache
+    assert float(ko[2, 0, 0, 0]) == 5.0 and float(vo[2, 2, 0, 0]) == 7.0 and float(ko[3, 0, 0, 0]) == 0.0
