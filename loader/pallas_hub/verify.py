@@ -103,7 +103,8 @@ def _block_dims(block_shape) -> tuple[int, ...]:
 
 def _memory_space_is_vmem(block) -> bool:
     space = getattr(block.transformed_block_aval, "memory_space", None)
-    return space is None or "ANY" not in str(space) and "HBM" not in str(space) and "SMEM" not in str(space)
+    name = str(space).upper()  # pl.ANY / pltpu.HBM / pltpu.SMEM print in lower case ('any', 'hbm', 'smem')
+    return space is None or "ANY" not in name and "HBM" not in name and "SMEM" not in name
 
 
 def _sub_jaxprs(value):
@@ -144,8 +145,9 @@ def pallas_calls(fn: Callable, *args, **kwargs) -> list[PallasCall]:
         scratch = sum(
             math.prod(a.shape) * a.dtype.itemsize
             for a in gm.scratch_avals
-            if hasattr(a, "shape") and "SEMAPHORE" not in str(getattr(a, "memory_space", ""))
-            and "SMEM" not in str(getattr(a, "memory_space", ""))
+            if hasattr(a, "shape") and "SEMAPHORE" not in str(getattr(a, "memory_space", "")).upper()
+            and "SMEM" not in str(getattr(a, "memory_space", "")).upper()
+            and hasattr(a.dtype, "itemsize")  # DMA/regular semaphores (pltpu.SemaphoreType) hold no VMEM data
         )
         n_in = gm.num_inputs
         info = eqn.params.get("name_and_src_info")

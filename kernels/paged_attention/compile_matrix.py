@@ -1,0 +1,57 @@
+"""Compile matrix of paged-attention-tpu: Qwen3-30B-A3B attention (32 q / 4 kv heads, head_dim 128).
+
+Decode (one new token per sequence) and mixed batches (a few prefill chunks among decodes) for 64 and
+256 sequences at 2k to 32k tokens of context, pages of 16 and 128 tokens, bf16 (f32 for one), and the
+KV write kernel. The cache pool holds exactly the pages the batch needs (num_seqs x context / page).
+"""
+
+import jax
+import jax.numpy as jnp
+
+from pallas_hub.matrix import Config
+
+HQ, HKV, D = 32, 4, 128
+
+
+def _attention(kernel, num_seqs, context, page, dtype=jnp.bfloat16, tokens=None):
+    s = jax.ShapeDtypeStruct
+    pps = context // page
+    pages = num_seqs * pps
+    t = tokens or num_seqs
+    args = (s((t, HQ, D), dtype), s((pages, page, HKV, D), dtype), s((pages, page, HKV, D), dtype),
+            s((num_seqs,), jnp.int32), s((num_seqs, pps), jnp.int32), s((num_seqs + 1,), jnp.int32))
+    return kernel.pallas.ragged_paged_attention, args
+
+
+def _fits(name, fn, args, static, tokens):
+    """256 x 32k tokens of bf16 K+V is 16 GiB: more than v5e's 15.75 GiB of HBM. Declared, so it must fail."""
+    if tokens * 2 * HKV * D * 2 < 15 * 2**30:
+        return [Config(name, fn, args, static)]
+    return [Config(name, fn, args, static, chips=("v6e", "tpu7x")),
+            Config(name + " (cache > v5e HBM)", fn, args, static, chips=("v5e",), fails_with="RESOURCE_EXHAUSTED")]
+
+
+def configs(kernel):
+    out = []
+    for num_seqs in (64, 256):
+        for context in (2048, 8192, 32768):
+            for page in (16, 128):
+                fn, args = _attention(kernel, num_seqs, context, page)
+                out += _fits(f"decode {num_seqs} seqs x {context // 1024}k bf16 page {page}", fn, args,
+                             dict(scale=D**-0.5), num_seqs * context)
+        # mixed: 4 prefill chunks of 512 tokens plus decodes, 2048 + num_seqs - 4 query rows
+        for context, page in ((8192, 128), (32768, 16)):
+            fn, args = _attention(kernel, num_seqs, context, page, tokens=4 * 512 + num_seqs - 4)
+            out += _fits(f"mixed {num_seqs} seqs {context // 1024}k bf16 page {page}", fn, args,
+                         dict(scale=D**-0.5), num_seqs * context)
+    fn, args = _attention(kernel, 64, 8192, 64, jnp.float32)
+    out.append(Config("decode 64 seqs x 8k f32 page 64, window 4096 softcap 30", fn, args,
+                      dict(scale=D**-0.5, window=4096, softcap=30.0)))
+    fn, args = _attention(kernel, 64, 2048, 256)
+    out.append(Config("decode 64 seqs x 2k bf16 page 256", fn, args, dict(scale=D**-0.5)))
+    s = jax.ShapeDtypeStruct
+    cache = s((64 * 64, 128, HKV, D), jnp.bfloat16)
+    out.append(Config("write_kv 2048 tokens into 64 seqs x 8k bf16 page 128", kernel.pallas.write_kv,
+                      (cache, cache, s((2048, HKV, D), jnp.bfloat16), s((2048, HKV, D), jnp.bfloat16),
+                       s((64,), jnp.int32), s((64, 64), jnp.int32), s((65,), jnp.int32))))
+    return out

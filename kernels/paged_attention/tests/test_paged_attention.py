@@ -1,0 +1,260 @@
+"""Ragged paged attention and the KV write kernel against independent references, in both interpret
+modes, plus bad-input errors and ahead-of-time TPU compilation.
+
+References: ``pallas.reference`` gathers each sequence's pages on the host and runs the shared dense
+``attention_math.reference_attention`` per sequence (no tiling, DMA or work items); ``reference_write``
+is a host loop. Tolerances: f32 1e-5 (online softmax vs one softmax: observed <= 2e-6); bf16 2.5e-2
+(P is rounded to bf16 before P @ V, as on the MXU; observed <= 8e-3 on unit-normal data).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_hub.verify import compile_for_tpu, interpret
+
+STATIC = ("scale", "window", "softcap", "block_q", "block_kv")
+TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2.5e-2}
+
+
+def make_case(q_lens, kv_lens, *, page=16, hq=4, hkv=2, d=128, dtype=jnp.float32, sinks=False, seed=0,
+              extra_rows=3, spare_pages=5, shuffle=True):
+    """Inputs for one call: a page pool with spare (never referenced) pages, each sequence's pages
+    drawn from a shuffled (fragmented) permutation, table rows padded with -1 past what is needed."""
+    rng = np.random.default_rng(seed)
+    s = len(q_lens)
+    need = [-(-l // page) for l in kv_lens]
+    pps = max(max(need, default=1), 1) + 1
+    num_pages = sum(need) + spare_pages
+    pool = rng.permutation(num_pages) if shuffle else np.arange(num_pages)
+    table = np.full((s, pps), -1, np.int32)
+    at = 0
+    for i, n in enumerate(need):
+        table[i, :n] = pool[at: at + n]
+        at += n
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    t = int(cu[-1]) + extra_rows
+    q = jnp.asarray(rng.standard_normal((t, hq, d)), dtype)
+    kp = jnp.asarray(rng.standard_normal((num_pages, page, hkv, d)), dtype)
+    vp = jnp.asarray(rng.standard_normal((num_pages, page, hkv, d)), dtype)
+    sk = jnp.asarray(rng.standard_normal(hq) * 2, jnp.float32) if sinks else None
+    return q, kp, vp, jnp.asarray(kv_lens, jnp.int32), jnp.asarray(table), jnp.asarray(cu), sk
+
+
+def check(k, args, *, mode="fast", **static):
+    static.setdefault("scale", args[0].shape[-1] ** -0.5)
+    with interpret(mode):
+        out = jax.jit(k.pallas.ragged_paged_attention, static_argnames=STATIC)(*args, **static)
+    out = np.asarray(out.astype(jnp.float32))
+    ref = k.pallas.reference(*args, **{n: v for n, v in static.items() if n in ("scale", "window", "softcap")})
+    assert np.isfinite(out).all()
+    t_real = int(args[5][-1])
+    assert np.all(out[t_real:] == 0), "padding rows must be 0"
+    tol = TOL[jnp.dtype(args[0].dtype).type]
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
+    return out
+
+
+CASES = {
+    # name: (q_lens, kv_lens, make_case kwargs, kernel static kwargs)
+    "decode": ([1] * 9, [1, 17, 40, 16, 33, 5, 64, 2, 30], dict(), dict(block_q=4)),  # 2-3 sequences a tile
+    "prefill": ([37, 5, 20], [37, 5, 20], dict(page=64), dict(block_q=8)),
+    "mixed_window_softcap_sinks": ([30, 1, 0, 7, 1], [100, 33, 0, 7, 250], dict(sinks=True),
+                                   dict(window=24, softcap=20.0, block_kv=32)),  # default tiles
+    "bf16_gqa4_page128": ([3, 1, 60, 1], [3, 300, 90, 129], dict(page=128, hq=8, hkv=2, dtype=jnp.bfloat16),
+                          dict(block_kv=128, block_q=64)),  # 256-row tiles: two row blocks
+    "bf16_mixed_window_sinks": ([1, 12, 1], [70, 40, 1], dict(dtype=jnp.bfloat16, hq=2, hkv=2, sinks=True),
+                                dict(window=8, block_q=16)),
+    "mha_d64_chunked_prefill": ([16, 16], [48, 80], dict(hq=2, hkv=2, d=64, shuffle=False), dict(block_q=8)),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_matches_dense_reference(load_kernel, name):
+    q_lens, kv_lens, make, static = CASES[name]
+    check(load_kernel("paged_attention"), make_case(q_lens, kv_lens, **make), **static)
+
+
+def test_tiles_shared_by_many_sequences_and_all_padding_tiles(load_kernel):
+    # 8 decode sequences per tile, an empty sequence in the middle, and tiles with no sequence at all.
+    k = load_kernel("paged_attention")
+    args = make_case([1, 1, 0, 1, 1, 1], [3, 9, 0, 20, 1, 16], extra_rows=21)
+    check(k, args, block_q=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page", [16, 64, 128])
+@pytest.mark.parametrize("num_seqs", [1, 7, 64])
+def test_sweep(load_kernel, page, num_seqs):
+    k = load_kernel("paged_attention")
+    rng = np.random.default_rng(page * 100 + num_seqs)
+    kv_lens = rng.integers(1, 2001, num_seqs)
+    # a third decode, a third chunked prefill, a third whole prefill (capped to keep T reasonable)
+    kind = rng.integers(0, 3, num_seqs)
+    q_lens = np.where(kind == 0, 1, np.where(kind == 1, np.minimum(kv_lens, rng.integers(1, 64, num_seqs)),
+                                             np.minimum(kv_lens, 300)))
+    for dtype, extra in ((jnp.float32, dict()), (jnp.bfloat16, dict(window=256, softcap=30.0))):
+        args = make_case(list(q_lens), list(kv_lens), page=page, hq=8, hkv=2, dtype=dtype, sinks=bool(extra))
+        check(k, args, **extra)
+
+
+# --------------------------------------------------------------------------- torch op, strict interpreter
+
+def test_torch_op_int64_metadata(load_kernel):
+    k = load_kernel("paged_attention")
+    q, kp, vp, lens, table, cu, _ = make_case([2, 1, 5], [9, 30, 5], sinks=False)
+    t = lambda a: torch.from_dlpack(np.asarray(a).copy())  # noqa: E731
+    out = k.ragged_paged_attention(t(q), t(kp), t(vp), t(lens).long(), t(table).long(), t(cu).long(),
+                                   None, scale=0.125)
+    ref = k.pallas.reference(q, kp, vp, lens, table, cu, scale=0.125)
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.strict_interpret
+def test_strict_interpreter_matches_reference(load_kernel):
+    k = load_kernel("paged_attention")
+    args = make_case([3, 1, 0, 2], [20, 33, 0, 2], sinks=True, extra_rows=2)
+    check(k, args, mode="strict", window=8, softcap=20.0, block_kv=16, block_q=8)
+
+
+@pytest.mark.strict_interpret
+def test_strict_interpreter_bad_metadata_never_reads_out_of_bounds(load_kernel):
+    # Under jit the values are tracers, so host validation cannot see them: the device clamps.
+    k = load_kernel("paged_attention")
+    q, kp, vp, lens, table, cu, _ = make_case([2, 1, 3], [9, 30, 5], extra_rows=1)
+    bad_table = table.at[0, 0].set(10_000).at[1, 1].set(-7)  # page ids past the pool, negative
+    bad_lens = lens.at[2].set(10_000)  # more tokens than the table's pages hold
+    bad_cu = jnp.array([0, 4, 2, 99], jnp.int32)  # non-monotone, past T
+    with interpret("strict"):
+        out = jax.jit(k.pallas.ragged_paged_attention)(q, kp, vp, bad_lens, bad_table, bad_cu)
+        jax.block_until_ready(out)
+        ko, vo = jax.jit(k.pallas.write_kv)(kp, vp, q[:, :2], q[:, 2:], bad_lens, bad_table, bad_cu)
+        jax.block_until_ready((ko, vo))
+    assert out.shape == q.shape
+
+
+def _dma_kernel(idx_ref, x_hbm, o_ref, buf, sem):
+    c = pltpu.make_async_copy(x_hbm.at[idx_ref[0]], buf, sem)
+    c.start()
+    c.wait()
+    o_ref[...] = buf[...]
+
+
+@pytest.mark.strict_interpret
+def test_strict_interpreter_catches_an_unclamped_page_dma():
+    """The check above can fail: an out-of-range page DMA raises in the strict interpreter."""
+    x = jnp.ones((4, 16, 128), jnp.float32)
+    f = lambda i: pl.pallas_call(  # noqa: E731
+        _dma_kernel, out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(1,), in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec((16, 128), lambda g, i: (0, 0)),
+            scratch_shapes=[pltpu.VMEM((16, 128), jnp.float32), pltpu.SemaphoreType.DMA]))(i, x)
+    with interpret("strict"):
+        jax.block_until_ready(f(jnp.array([3], jnp.int32)))
+    with pytest.raises(Exception, match="(?i)out.of.bounds|out of range|bounds"):
+        with interpret("strict"):
+            jax.block_until_ready(f(jnp.array([4], jnp.int32)))
+
+
+# --------------------------------------------------------------------------- writing K/V into pages
+
+@pytest.mark.parametrize("mode", ["fast", pytest.param("strict", marks=pytest.mark.strict_interpret)])
+def test_write_kv_matches_host_loop(load_kernel, mode):
+    k = load_kernel("paged_attention")
+    q, kp, vp, lens, table, cu, _ = make_case([5, 1, 0, 20], [20, 3, 0, 40], hq=2, hkv=2)
+    new_k, new_v = q, q * 2 + 1  # [T, Hkv, D] rows; the 3 padding rows must not be written
+    rk, rv = k.pallas.reference_write(kp, vp, new_k, new_v, lens, table, cu)
+    with interpret(mode):
+        ko, vo = jax.jit(k.pallas.write_kv)(kp, vp, new_k, new_v, lens, table, cu)
+    np.testing.assert_array_equal(np.asarray(ko), rk)
+    np.testing.assert_array_equal(np.asarray(vo), rv)
+    assert not np.array_equal(rk, np.asarray(kp))  # the check can fail: something was written
+
+
+def test_write_kv_in_place_on_overlapping_views(load_kernel):
+    # transformers' k_cache/v_cache are views of one buffer, offset by one page (K and V pages alternate).
+    k = load_kernel("paged_attention")
+    buf = torch.randn(13, 16, 2, 32)
+    kc, vc = buf[:12], buf[1:]
+    table = torch.tensor([[0, 4], [8, -1]], dtype=torch.int32)  # K pages even; V view shifts them to odd
+    lens, cu = torch.tensor([20, 3], dtype=torch.int32), torch.tensor([0, 1, 3], dtype=torch.int32)
+    nk, nv = torch.randn(3, 2, 32), torch.randn(3, 2, 32)
+    rk, rv = k.pallas.reference_write(kc.numpy(), vc.numpy(), nk.numpy(), nv.numpy(), lens.numpy(), table.numpy(),
+                                      cu.numpy())
+    k.write_kv_(kc, vc, nk, nv, lens, table, cu)
+    np.testing.assert_array_equal(buf[:12][[0, 4, 8]].numpy(), rk[[0, 4, 8]])
+    np.testing.assert_array_equal(buf[1:][[0, 4, 8]].numpy(), rv[[0, 4, 8]])
+
+
+# --------------------------------------------------------------------------- bad input
+
+BAD = {
+    "page index past the pool": (lambda a: dict(page_indices=a["page_indices"].at[1, 1].set(1000)),
+                                 r"page_indices\[1, 1\]=1000 is out of range \[0, \d+\)"),
+    "negative page index": (lambda a: dict(page_indices=a["page_indices"].at[0, 0].set(-1)),
+                            r"page_indices\[0, 0\]=-1 is out of range"),
+    "kv_lens beyond the pages": (lambda a: dict(kv_lens=a["kv_lens"].at[2].set(10_000)),
+                                 r"kv_lens\[2\]=10000 exceeds what its pages hold"),
+    "non-monotone cu_q_lens": (lambda a: dict(cu_q_lens=jnp.array([0, 2, 1, 6], jnp.int32)),
+                               r"cu_q_lens must be non-decreasing"),
+    "cu_q_lens past T": (lambda a: dict(cu_q_lens=jnp.array([0, 2, 3, 60], jnp.int32)),
+                         r"cu_q_lens\[-1\]=60 exceeds the number of query rows"),
+    "more queries than kv": (lambda a: dict(cu_q_lens=jnp.array([0, 2, 3, 9], jnp.int32)),
+                             r"sequence 2 has 6 new queries but kv_lens\[2\]=5"),
+    "head mismatch": (lambda a: dict(q=jnp.zeros((9, 3, 128))), r"multiple of the KV heads"),
+    "dtype mismatch": (lambda a: dict(q=a["q"].astype(jnp.bfloat16)), r"must share a dtype"),
+    "kv_lens shape": (lambda a: dict(kv_lens=jnp.zeros((2,), jnp.int32)), r"kv_lens must have shape \(3,\)"),
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_bad_input_errors_name_the_argument(load_kernel, name):
+    k = load_kernel("paged_attention")
+    change, message = BAD[name]
+    q, kp, vp, lens, table, cu, _ = make_case([2, 1, 3], [9, 30, 5])
+    a = dict(q=q, k_pages=kp, v_pages=vp, kv_lens=lens, page_indices=table, cu_q_lens=cu)
+    a.update(change(a))
+    with pytest.raises((ValueError, TypeError), match=message):
+        k.pallas.ragged_paged_attention(**a)
+    t = {n: torch.from_dlpack(np.asarray(v.astype(jnp.float32) if v.dtype == jnp.bfloat16 else v).copy())
+         for n, v in a.items()}
+    if a["q"].dtype == jnp.bfloat16:
+        t["q"] = t["q"].bfloat16()
+    with pytest.raises((ValueError, TypeError), match=message):  # the torch op checks on the host too
+        k.ragged_paged_attention(**t)
+
+
+# --------------------------------------------------------------------------- ahead-of-time TPU compile
+
+@pytest.mark.tpu_compile
+@pytest.mark.parametrize("name", ["decode 64 seqs x 8k bf16 page 128", "mixed 256 seqs 32k bf16 page 16"])
+def test_compiles_for_tpu(load_kernel, name):
+    import importlib.util
+    from pathlib import Path
+
+    k = load_kernel("paged_attention")
+    path = Path(__file__).parents[1] / "compile_matrix.py"
+    spec = importlib.util.spec_from_file_location("_paged_matrix", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    chip = {"decode": "v6e", "mixed": "tpu7x"}[name.split()[0]]
+    (config,) = [c for c in mod.configs(k) if c.name == name and chip in c.chips]
+    result = compile_for_tpu(config.fn, *config.args, chip=chip, **config.static)
+    assert result.ok, result.error
+
+
+def test_write_kv_is_in_place_when_the_cache_is_donated(load_kernel):
+    k = load_kernel("paged_attention")
+    kp, vp = jnp.zeros((8, 16, 2, 128)), jnp.ones((8, 16, 2, 128))
+    ptr = kp.unsafe_buffer_pointer(), vp.unsafe_buffer_pointer()
+    with interpret("fast"):
+        ko, vo = jax.jit(k.pallas.write_kv, donate_argnums=(0, 1))(
+            kp, vp, jnp.full((3, 2, 128), 5.0), jnp.full((3, 2, 128), 7.0), jnp.array([3], jnp.int32),
+            jnp.array([[2]], jnp.int32), jnp.array([0, 3], jnp.int32))
+    assert (ko.unsafe_buffer_pointer(), vo.unsafe_buffer_pointer()) == ptr  # aliased: no copy of the cache
+    assert float(ko[2, 0, 0, 0]) == 5.0 and float(vo[2, 2, 0, 0]) == 7.0 and float(ko[3, 0, 0, 0]) == 0.0

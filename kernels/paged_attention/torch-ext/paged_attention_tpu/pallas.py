@@ -1,0 +1,546 @@
+"""Ragged paged attention for TPU in Pallas: many sequences, prefill and decode mixed in one call.
+
+Layout (transformers' PagedAttentionCache page views, so its block tables index them directly):
+  q            [T, Hq, D]          new queries of all sequences, packed; sequence s owns rows
+                                   cu_q_lens[s]:cu_q_lens[s+1] (rows past cu_q_lens[-1] are padding -> 0)
+  k/v_pages    [P, page, Hkv, D]   the paged cache (bf16 or f32), never copied or gathered
+  kv_lens      [S] int32           tokens in sequence s's cache, the new ones included (they are its last)
+  page_indices [S, pps] int32      page table; only the first cdiv(kv_lens[s], page) entries are read
+  cu_q_lens    [S+1] int32         0 = cu[0] <= cu[1] <= ... <= T
+Query row i of sequence s sits at position kv_lens[s] - q_len + i (causal, bottom-right).
+
+How the kernel works. The packed query rows are cut into tiles of ``block_q`` tokens; the grid walks
+(tile, sequence) work items in order (computed on device from cu_q_lens), so a tile shared by
+several short sequences (decode) is one resident output block that each of them fills in. For an
+item, only the pages its rows can see (causal end, sliding-window start) are fetched, ``block_kv``
+tokens at a time, by manual DMAs from HBM into a double-buffered VMEM scratch: chunk c+1 is in
+flight while chunk c is computed. Whole pages [page, Hkv, D] are copied (one contiguous DMA each) and
+every KV head is computed from them, so GQA never repeats K/V. The page table stays in HBM and each
+item copies its own row into SMEM (a 256-sequence x 32k-token table does not fit in 1 MiB of SMEM).
+Queries are regrouped by the wrapper to [Hkv, T*G, D] (G = Hq/Hkv) so each head's block is 2-D.
+
+Every index the device computes is clamped (page ids into [0, P), table columns into [0, pps),
+cumulative lengths into [0, T] and made monotone), so bad metadata can give wrong numbers but never
+an out-of-bounds access; ``validate`` raises clear errors on the host whenever values are concrete.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from . import attention_math as am
+from ._bridge import check_array, dtype_name
+
+KV_DTYPES = ("float32", "bfloat16")
+INDEX_DTYPES = ("int32", "int64")
+MiB = 1 << 20
+
+
+# --------------------------------------------------------------------------- validation
+
+def _concrete(x):
+    """x as a numpy array when its values are available on the host (torch CPU tensor, numpy,
+    concrete jax array), else None (a tracer under jit: the device clamps instead)."""
+    if isinstance(x, jax.core.Tracer):
+        return None
+    if hasattr(x, "detach") and hasattr(x, "device"):  # torch
+        if x.device.type not in ("cpu",):
+            return None
+        return x.detach().cpu().numpy()
+    try:
+        return np.asarray(x)
+    except Exception:
+        return None
+
+
+def validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=1.0, window=0,
+             softcap=0.0, block_q=0, block_kv=512):
+    """Raise ValueError/TypeError naming the bad argument; checks values too when they are on the host."""
+    check_array("q", q, dtypes=KV_DTYPES, ndim=3)
+    check_array("k_pages", k_pages, dtypes=KV_DTYPES, ndim=4)
+    check_array("v_pages", v_pages, dtypes=KV_DTYPES, ndim=4)
+    check_array("kv_lens", kv_lens, dtypes=INDEX_DTYPES, ndim=1)
+    check_array("page_indices", page_indices, dtypes=INDEX_DTYPES, ndim=2)
+    check_array("cu_q_lens", cu_q_lens, dtypes=INDEX_DTYPES, ndim=1)
+    t, hq, d = q.shape
+    num_pages, page, hkv, dk = k_pages.shape
+    if tuple(v_pages.shape) != tuple(k_pages.shape):
+        raise ValueError(f"v_pages must have the shape of k_pages {tuple(k_pages.shape)}, got {tuple(v_pages.shape)}")
+    if dtype_name(k_pages) != dtype_name(v_pages) or dtype_name(q) != dtype_name(k_pages):
+        raise TypeError(f"q, k_pages and v_pages must share a dtype, got {dtype_name(q)}, "
+                        f"{dtype_name(k_pages)}, {dtype_name(v_pages)}")
+    if dk != d:
+        raise ValueError(f"head_dim of q ({d}) and of k_pages ({dk}) differ")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"q heads ({hq}) must be a multiple of the KV heads of k_pages ({hkv})")
+    if not 1 <= page <= 1024:
+        raise ValueError(f"page size (k_pages.shape[1]) must be in [1, 1024], got {page}")
+    sub = 16 if dtype_name(k_pages) == "bfloat16" else 8
+    if page % sub:
+        raise ValueError(f"page size (k_pages.shape[1]) must be a multiple of {sub} for {dtype_name(k_pages)} "
+                         f"(TPU sublane tile), got {page}")
+    num_seqs, pps = page_indices.shape
+    if num_seqs == 0 or pps == 0:
+        raise ValueError(f"page_indices must have at least one sequence and one column, got shape {(num_seqs, pps)}")
+    if tuple(kv_lens.shape) != (num_seqs,):
+        raise ValueError(f"kv_lens must have shape ({num_seqs},) (one per page_indices row), got {tuple(kv_lens.shape)}")
+    if tuple(cu_q_lens.shape) != (num_seqs + 1,):
+        raise ValueError(f"cu_q_lens must have shape ({num_seqs + 1},) (sequences + 1), got {tuple(cu_q_lens.shape)}")
+    if sinks is not None:
+        check_array("sinks", sinks, dtypes=KV_DTYPES, ndim=1)
+        if tuple(sinks.shape) != (hq,):
+            raise ValueError(f"sinks must have shape ({hq},) (one logit per q head), got {tuple(sinks.shape)}")
+    if window < 0:
+        raise ValueError(f"window must be >= 0 (0 = no sliding window), got {window}")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0 = no soft-capping), got {softcap}")
+    if block_q < 0 or block_kv <= 0:
+        raise ValueError(f"block_q must be >= 0 (0 = automatic) and block_kv > 0, got {block_q}, {block_kv}")
+    cu, lens, table = _concrete(cu_q_lens), _concrete(kv_lens), _concrete(page_indices)
+    if cu is not None and cu.size:
+        if cu[0] != 0:
+            raise ValueError(f"cu_q_lens[0] must be 0, got {int(cu[0])}")
+        if np.any(np.diff(cu) < 0):
+            bad = int(np.argmax(np.diff(cu) < 0))
+            raise ValueError(f"cu_q_lens must be non-decreasing, but cu_q_lens[{bad + 1}]={int(cu[bad + 1])} "
+                             f"< cu_q_lens[{bad}]={int(cu[bad])}")
+        if cu[-1] > t:
+            raise ValueError(f"cu_q_lens[-1]={int(cu[-1])} exceeds the number of query rows q.shape[0]={t}")
+    if lens is not None:
+        if np.any(lens < 0):
+            raise ValueError(f"kv_lens must be >= 0, got {int(lens.min())} for sequence {int(np.argmin(lens))}")
+        if np.any(lens > pps * page):
+            s = int(np.argmax(lens > pps * page))
+            raise ValueError(f"kv_lens[{s}]={int(lens[s])} exceeds what its pages hold: page_indices has {pps} "
+                             f"columns x page size {page} = {pps * page} tokens")
+        if cu is not None:
+            q_lens = np.diff(cu)
+            if np.any(q_lens > lens):
+                s = int(np.argmax(q_lens > lens))
+                raise ValueError(f"sequence {s} has {int(q_lens[s])} new queries but kv_lens[{s}]={int(lens[s])}; "
+                                 f"the new tokens must be counted in kv_lens")
+        if table is not None:
+            needed = (np.arange(pps)[None, :] < -(-lens[:, None] // page))
+            bad = needed & ((table < 0) | (table >= num_pages))
+            if np.any(bad):
+                s, j = (int(x) for x in np.argwhere(bad)[0])
+                raise ValueError(f"page_indices[{s}, {j}]={int(table[s, j])} is out of range [0, {num_pages}) "
+                                 f"(k_pages holds {num_pages} pages; sequence {s} needs its first "
+                                 f"{int(-(-lens[s] // page))} entries)")
+
+
+# --------------------------------------------------------------------------- work items
+
+def _default_block_q(group: int, dtype) -> int:
+    """Query tokens per tile: about 1024 rows of (token, q head in group), a multiple of the sublane tile.
+    Large tiles let prefill chunks re-read their KV less often; decode items in a tile still compute
+    only their own 128-row block (cost model: 64 x 8k decode 0.96 of roofline either way, the mixed
+    batch of costmodel_table.py 0.76 with 128-row tiles, 0.90 with 2048)."""
+    sub = 16 if jnp.dtype(dtype).itemsize == 2 else 8
+    bq = max(1, 1024 // group)
+    while (bq * group) % sub:
+        bq += 1
+    return bq
+
+
+def work_items(cu_q_lens, num_tiles: int, block_q: int):
+    """(item_tile, item_seq) int32 [2 * num_tiles + S]: per tile a zero-init item (seq -1) first, then
+    one item per sequence with rows in that tile, in order; padding items have seq -2 (no-op)."""
+    num_seqs = cu_q_lens.shape[0] - 1
+    starts, ends = cu_q_lens[:-1], cu_q_lens[1:]
+    has_rows = ends > starts
+    first = starts // block_q
+    count = jnp.where(has_rows, (ends - 1) // block_q - first + 1, 0)
+    max_real = num_tiles + num_seqs
+    csum = jnp.cumsum(count)
+    i = jnp.arange(max_real, dtype=jnp.int32)
+    seq = jnp.minimum(jnp.searchsorted(csum, i, side="right"), num_seqs - 1).astype(jnp.int32)
+    tile = first[seq] + i - (csum - count)[seq]
+    real = i < csum[-1]
+    # Sort key: tile-major, zero-init item (rank 0) before the tile's sequences (rank s + 1).
+    big = num_tiles * (num_seqs + 2)
+    key_real = jnp.where(real, tile * (num_seqs + 2) + seq + 1, big)
+    zero_tiles = jnp.arange(num_tiles, dtype=jnp.int32)
+    keys = jnp.concatenate([zero_tiles * (num_seqs + 2), key_real])
+    tiles = jnp.concatenate([zero_tiles, jnp.where(real, tile, num_tiles - 1)])
+    seqs = jnp.concatenate([jnp.full((num_tiles,), -1, jnp.int32), jnp.where(real, seq, -2)])
+    order = jnp.argsort(keys, stable=True)
+    return tiles[order].astype(jnp.int32), seqs[order].astype(jnp.int32)
+
+
+def sanitize_cu(cu_q_lens, t):
+    """Cumulative lengths clipped to [0, T] and made non-decreasing: device-side safety, no OOB tiles."""
+    return jax.lax.cummax(jnp.clip(cu_q_lens.astype(jnp.int32), 0, t))
+
+
+# --------------------------------------------------------------------------- the kernel
+
+def _div(a, b):
+    """Division of non-negative ints; jnp's floor division lowers through sign(), which Mosaic
+    cannot lower without a TPU to ask the generation of."""
+    return jax.lax.div(jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
+
+
+def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch (SMEM)
+            q_ref, table_hbm, k_hbm, v_hbm, sinks_ref,  # inputs
+            o_ref,  # output block [Hkv, R, D]
+            table_smem, kbuf, vbuf, sems, table_sem, m_ref, l_ref, acc_ref,  # scratch
+            *, scale, window, softcap, block_q, group, pages_per_block, sub_rows, has_sinks):
+    item = pl.program_id(0)
+    seq, tile = item_seq_ref[item], item_tile_ref[item]
+    num_pages, page = k_hbm.shape[0], k_hbm.shape[1]
+    hkv, rows, d = o_ref.shape
+    pps = table_smem.shape[0]
+    chunk = pages_per_block * page
+
+    @pl.when(seq == -1)  # first item of a tile: rows no sequence owns (padding) stay 0
+    def _zero():
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+    @pl.when(seq >= 0)
+    def _attend():
+        s = jnp.maximum(seq, 0)
+        copy = pltpu.make_async_copy(table_hbm.at[s], table_smem, table_sem.at[0])
+        copy.start()
+        kv_len = kv_lens_ref[s]
+        q_start, q_end = cu_ref[s], cu_ref[s + 1]
+        tile_start = tile * block_q
+        lo = jnp.maximum(q_start, tile_start)  # this item's rows [lo, hi) of the packed queries
+        hi = jnp.minimum(q_end, tile_start + block_q)
+        offset = kv_len - (q_end - q_start)  # position of the sequence's first new query
+        # Keys the rows can see: causal end, sliding-window start; whole pages, clamped to the table.
+        kv_end = jnp.clip(offset + hi - q_start, 0, kv_len)
+        kv_begin = 0 if window == 0 else jnp.clip(offset + lo - q_start - window + 1, 0, kv_end)
+        first_page = _div(kv_begin, page)
+        end_page = jnp.minimum(_div(kv_end + page - 1, page), pps)
+        num_chunks = _div(jnp.maximum(end_page - first_page, 0) + pages_per_block - 1, pages_per_block)
+        copy.wait()
+
+        def copies(c, slot):
+            for j in range(pages_per_block):
+                p = first_page + c * pages_per_block + j
+                pid = jnp.clip(table_smem[jnp.clip(p, 0, pps - 1)], 0, num_pages - 1)
+                yield (p < end_page,
+                       pltpu.make_async_copy(k_hbm.at[pid], kbuf.at[slot, j], sems.at[0, slot]),
+                       pltpu.make_async_copy(v_hbm.at[pid], vbuf.at[slot, j], sems.at[1, slot]))
+
+        def start(c, slot):
+            for valid, ck, cv in copies(c, slot):
+                @pl.when(valid)
+                def _():
+                    ck.start()
+                    cv.start()
+
+        def wait(c, slot):
+            for valid, ck, cv in copies(c, slot):
+                @pl.when(valid)
+                def _():
+                    ck.wait()
+                    cv.wait()
+
+        # Only the row blocks holding this item's rows are touched: a decode item in a tile shared by
+        # many sequences costs its own rows, not the tile's. Row r of a block is (token, head in group).
+        first_block = _div((lo - tile_start) * group, sub_rows)
+        end_block = _div((hi - tile_start) * group + sub_rows - 1, sub_rows)
+
+        def block_rows(j):
+            r0 = pl.multiple_of(j * sub_rows, sub_rows)
+            r = r0 + jax.lax.broadcasted_iota(jnp.int32, (sub_rows, 1), 0)
+            tok = tile_start + _div(r, group)  # packed query row
+            return r0, pl.ds(r0, sub_rows), r, tok, (tok >= lo) & (tok < hi)
+
+        def init_block(j, carry):
+            _, rs, _, _, _ = block_rows(j)
+            m_ref[:, rs, :] = jnp.full((hkv, sub_rows, 1), am.MASK_VALUE, jnp.float32)
+            l_ref[:, rs, :] = jnp.zeros((hkv, sub_rows, 1), jnp.float32)
+            acc_ref[:, rs, :] = jnp.zeros((hkv, sub_rows, d), jnp.float32)
+            return carry
+
+        jax.lax.fori_loop(first_block, end_block, init_block, 0)
+
+        @pl.when(num_chunks > 0)
+        def _():
+            start(0, 0)
+
+        def body(c, carry):
+            slot = jax.lax.rem(c, 2)
+
+            @pl.when(c + 1 < num_chunks)  # double buffering: the next chunk flies while this one computes
+            def _():
+                start(c + 1, 1 - slot)
+
+            wait(c, slot)
+            chunk_start = (first_page + c * pages_per_block) * page
+            k_pos = chunk_start + jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
+            # Slots of pages past the end were not fetched: zero them so 0 * garbage cannot give NaN.
+            v_ok = chunk_start + jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) < kv_end
+
+            def compute_block(j, carry):
+                r0, rs, _, tok, mine = block_rows(j)
+                ok = mine & am.allowed(offset + tok - q_start, k_pos, causal=True, window=window or None)
+                ok &= k_pos < kv_end
+                last_q = offset + jnp.minimum(tile_start + _div(r0 + sub_rows - 1, group), hi - 1) - q_start
+
+                @pl.when(chunk_start <= last_q)  # blocks entirely above the causal diagonal: nothing to see
+                def _():
+                    for h in range(hkv):
+                        k = kbuf[slot, :, :, h, :].reshape(chunk, d)
+                        v = jnp.where(v_ok, vbuf[slot, :, :, h, :].reshape(chunk, d), 0)
+                        sc = am.scores(q_ref[h, rs, :], k, scale=scale, softcap=softcap or None)
+                        m, l, acc = am.online_softmax_step(m_ref[h, rs, :], l_ref[h, rs, :], acc_ref[h, rs, :],
+                                                           sc, ok, v)
+                        m_ref[h, rs, :], l_ref[h, rs, :], acc_ref[h, rs, :] = m, l, acc
+
+                return carry
+
+            jax.lax.fori_loop(first_block, end_block, compute_block, 0)
+            return carry
+
+        jax.lax.fori_loop(0, num_chunks, body, 0)
+
+        def finalize_block(j, carry):
+            _, rs, r, _, mine = block_rows(j)
+            for h in range(hkv):
+                sink = None
+                if has_sinks:  # q head h*G + (r mod G)
+                    sink = jnp.full((sub_rows, 1), sinks_ref[h * group], jnp.float32)
+                    for g in range(1, group):
+                        sink = jnp.where(jax.lax.rem(r, group) == g, sinks_ref[h * group + g], sink)
+                out, _ = am.finalize(m_ref[h, rs, :], l_ref[h, rs, :], acc_ref[h, rs, :], sink)
+                o_ref[h, rs, :] = jnp.where(mine, out.astype(o_ref.dtype), o_ref[h, rs, :])
+            return carry
+
+        jax.lax.fori_loop(first_block, end_block, finalize_block, 0)
+
+
+def _sub_rows(rows, dtype):
+    """Rows computed per step inside a tile: 128 when the tile splits evenly, else the whole tile."""
+    sub = 16 if jnp.dtype(dtype).itemsize == 2 else 8
+    for n in (128, 64, 32, 16, 8):
+        if n % sub == 0 and rows % n == 0:
+            return n
+    return rows
+
+
+def vmem_estimate(rows, hkv, d, page, pages_per_block, dtype) -> int:
+    """VMEM bytes of the blocks and scratch, with the (sublane, 128) tile padding the TPU applies."""
+    item = jnp.dtype(dtype).itemsize
+    sub = 8 * (4 // item)
+    pad = lambda n, m: -(-n // m) * m  # noqa: E731
+    lanes = pad(d, 128)
+    kv = 2 * 2 * pages_per_block * page * pad(hkv, sub) * lanes * item  # K and V, two slots
+    qo = 2 * 2 * hkv * pad(rows, sub) * lanes * item  # q and o blocks, double-buffered
+    stats = 2 * hkv * pad(rows, 8) * 128 * 4 + hkv * pad(rows, 8) * lanes * 4
+    return kv + qo + stats
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    sinks: jax.Array | None = None,
+    scale: float = 1.0,
+    window: int = 0,
+    softcap: float = 0.0,
+    block_q: int = 0,
+    block_kv: int = 512,
+) -> jax.Array:
+    """Attention of packed ragged queries over a paged KV cache; returns [T, Hq, D] in q's dtype.
+
+    ``window`` 0 = none (else transformers' sliding window: key > query - window), ``softcap`` 0 =
+    none, ``sinks`` [Hq] GPT-OSS sink logits, ``block_q`` query tokens per tile (0 = about 1024 rows),
+    ``block_kv`` tokens fetched per DMA chunk (rounded to whole pages).
+    """
+    validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks, scale, window, softcap, block_q, block_kv)
+    t, hq, d = q.shape
+    num_pages, page, hkv, _ = k_pages.shape
+    num_seqs, pps = page_indices.shape
+    group = hq // hkv
+    bq = block_q or _default_block_q(group, q.dtype)
+    if (bq * group) % (16 if q.dtype == jnp.bfloat16 else 8):
+        raise ValueError(f"block_q * (q heads / kv heads) = {bq * group} must be a multiple of "
+                         f"{16 if q.dtype == jnp.bfloat16 else 8} (TPU sublane tile)")
+    pages_per_block = max(1, min(block_kv // page, pps))
+    rows = bq * group
+    num_tiles = max(1, pl.cdiv(t, bq))
+    t_pad = num_tiles * bq
+
+    cu = sanitize_cu(cu_q_lens, t)
+    item_tile, item_seq = work_items(cu, num_tiles, bq)
+    # [T, Hq, D] -> [Hkv, T*G, D]: row (token, g) of head h is q[token, h*G + g].
+    qg = jnp.pad(q, ((0, t_pad - t), (0, 0), (0, 0))).reshape(t_pad, hkv, group, d)
+    qg = qg.transpose(1, 0, 2, 3).reshape(hkv, t_pad * group, d)
+    sinks_f32 = (jnp.zeros((hq,), jnp.float32) if sinks is None else sinks.astype(jnp.float32))
+
+    kernel = functools.partial(
+        _kernel, scale=float(scale), window=int(window), softcap=float(softcap), block_q=bq, group=group,
+        pages_per_block=pages_per_block, sub_rows=_sub_rows(rows, q.dtype), has_sinks=sinks is not None)
+    block = pl.BlockSpec((hkv, rows, d), lambda i, lens, cu, tiles, seqs: (0, tiles[i], 0))
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    vmem = vmem_estimate(rows, hkv, d, page, pages_per_block, k_pages.dtype)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((hkv, t_pad * group, d), q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(item_tile.shape[0],),
+            in_specs=[block, any_spec, any_spec, any_spec, pl.BlockSpec(memory_space=pltpu.SMEM)],
+            out_specs=block,
+            scratch_shapes=[
+                pltpu.SMEM((pps,), jnp.int32),
+                pltpu.VMEM((2, pages_per_block, page, hkv, d), k_pages.dtype),
+                pltpu.VMEM((2, pages_per_block, page, hkv, d), v_pages.dtype),
+                pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.SemaphoreType.DMA((1,)),
+                pltpu.VMEM((hkv, rows, 1), jnp.float32),
+                pltpu.VMEM((hkv, rows, 1), jnp.float32),
+                pltpu.VMEM((hkv, rows, d), jnp.float32),
+            ],
+        ),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",),
+            vmem_limit_bytes=int(min(max(32 * MiB, 1.5 * vmem), 60 * MiB)),
+        ),
+        name="ragged_paged_attention",
+    )(kv_lens.astype(jnp.int32), cu, item_tile, item_seq,
+      qg, page_indices.astype(jnp.int32), k_pages, v_pages, sinks_f32)
+    out = out.reshape(hkv, t_pad, group, d).transpose(1, 0, 2, 3).reshape(t_pad, hq, d)
+    return out[:t]
+
+
+# --------------------------------------------------------------------------- reference
+
+def reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=1.0, window=0, softcap=0.0):
+    """Per-sequence loop on the host: gather each sequence's pages, dense attention_math.reference_attention.
+    Independent of the kernel's tiling, DMA and work-item logic. Returns f32 [T, Hq, D]."""
+    t, hq, d = q.shape
+    page = k_pages.shape[1]
+    cu, lens, table = np.asarray(cu_q_lens), np.asarray(kv_lens), np.asarray(page_indices)
+    out = np.zeros((t, hq, d), np.float32)
+    for s in range(len(lens)):
+        lq, lk = int(cu[s + 1] - cu[s]), int(lens[s])
+        if lq == 0:
+            continue
+        pages = table[s, : -(-lk // page)]
+        k = k_pages[pages].reshape(-1, *k_pages.shape[2:])[:lk]  # [lk, Hkv, D]
+        v = v_pages[pages].reshape(-1, *v_pages.shape[2:])[:lk]
+        qs = q[cu[s]: cu[s + 1]]
+        o = am.reference_attention(
+            jnp.swapaxes(qs, 0, 1)[None], jnp.swapaxes(k, 0, 1)[None], jnp.swapaxes(v, 0, 1)[None],
+            scale=scale, causal=True, window=window or None, softcap=softcap or None, sinks=sinks)
+        out[cu[s]: cu[s + 1]] = np.asarray(jnp.swapaxes(o[0], 0, 1))
+    return out
+
+
+# --------------------------------------------------------------------------- writing new K/V into pages
+
+def validate_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens):
+    check_array("new_k", new_k, dtypes=KV_DTYPES, ndim=3)
+    check_array("new_v", new_v, dtypes=KV_DTYPES, ndim=3)
+    _, _, hkv, d = k_pages.shape
+    if tuple(new_k.shape[1:]) != (hkv, d) or tuple(new_v.shape) != tuple(new_k.shape):
+        raise ValueError(f"new_k and new_v must have shape [T, {hkv}, {d}] (the cache's heads and head_dim), "
+                         f"got {tuple(new_k.shape)} and {tuple(new_v.shape)}")
+    if dtype_name(new_k) != dtype_name(k_pages) or dtype_name(new_v) != dtype_name(k_pages):
+        raise TypeError(f"new_k/new_v must have the cache dtype {dtype_name(k_pages)}, "
+                        f"got {dtype_name(new_k)}/{dtype_name(new_v)}")
+    # Same metadata rules as attention (q stands in for the new tokens: same rows).
+    validate(new_k, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
+
+
+def write_slots(kv_lens, page_indices, cu_q_lens, t, num_pages, page):
+    """(page id, row in page) for each packed new token; page id -1 = do not write (padding rows,
+    or a target outside the cache: a bad write is skipped rather than clamped onto another page)."""
+    num_seqs, pps = page_indices.shape
+    cu = sanitize_cu(cu_q_lens, t)
+    r = jnp.arange(t, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu, r, side="right") - 1, 0, num_seqs - 1)
+    pos = kv_lens[seq] - (cu[seq + 1] - cu[seq]) + r - cu[seq]
+    col = pos // page
+    pid = page_indices[seq, jnp.clip(col, 0, pps - 1)]
+    ok = (r < cu[-1]) & (pos >= 0) & (col < pps) & (pid >= 0) & (pid < num_pages)
+    return jnp.where(ok, pid, -1).astype(jnp.int32), (pos % page).astype(jnp.int32)
+
+
+def _write_kernel(pid_ref, off_ref, new_k, new_v, k_in, v_in, k_out, v_out, sems, *, in_flight):
+    del k_in, v_in  # aliased: k_out/v_out are the same buffers
+    t = new_k.shape[0]
+
+    def copies(r):
+        p, o = jnp.maximum(pid_ref[r], 0), off_ref[r]
+        return (pltpu.make_async_copy(new_k.at[r], k_out.at[p, o], sems.at[0]),
+                pltpu.make_async_copy(new_v.at[r], v_out.at[p, o], sems.at[1]))
+
+    def wait(r):
+        @pl.when(pid_ref[r] >= 0)
+        def _():
+            for c in copies(r):
+                c.wait()
+
+    def body(r, carry):
+        @pl.when(pid_ref[r] >= 0)
+        def _():
+            for c in copies(r):
+                c.start()
+
+        @pl.when(r >= in_flight)  # bound the DMAs in flight
+        def _():
+            wait(r - in_flight)
+
+        return carry
+
+    jax.lax.fori_loop(0, t, body, 0)
+    jax.lax.fori_loop(max(t - in_flight, 0), t, lambda r, c: (wait(r), c)[1], 0)
+
+
+def write_kv(
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    new_k: jax.Array,
+    new_v: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+) -> tuple[jax.Array, jax.Array]:
+    """The caches with each sequence's new tokens [T, Hkv, D] written at positions
+    kv_lens - q_len ... kv_lens - 1 of its pages. Outputs alias the cache inputs
+    (input_output_aliases): under jit with donated caches this is an in-place update, one
+    [Hkv, D] DMA per token, HBM to HBM."""
+    validate_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens)
+    t = new_k.shape[0]
+    num_pages, page = k_pages.shape[:2]
+    pid, off = write_slots(kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32),
+                           cu_q_lens.astype(jnp.int32), t, num_pages, page)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        functools.partial(_write_kernel, in_flight=8),
+        out_shape=(jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(1,), in_specs=[any_spec] * 4, out_specs=(any_spec, any_spec),
+            scratch_shapes=[pltpu.SemaphoreType.DMA((2,))]),
+        input_output_aliases={4: 0, 5: 1},  # operands: pid, off, new_k, new_v, k_pages, v_pages
+        name="write_kv",
+    )(pid, off, new_k, new_v, k_pages, v_pages)
+
+
+def reference_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens):
+    """Host loop: numpy copies of the caches with the new tokens written."""
+    k, v = np.array(k_pages), np.array(v_pages)
+    page = k.shape[1]
+    cu, lens, table = np.asarray(cu_q_lens), np.asarray(kv_lens), np.asarray(page_indices)
+    for s in range(len(lens)):
+        for i, r in enumerate(range(cu[s], cu[s + 1])):
+            pos = lens[s] - (cu[s + 1] - cu[s]) + i
+            k[table[s, pos // page], pos % page] = np.asarray(new_k[r])
+            v[table[s, pos // page], pos % page] = np.asarray(new_v[r])
+    return k, v
