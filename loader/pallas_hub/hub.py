@@ -83,6 +83,15 @@ def _write_atomic(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
+def _holds(folder: Path, files: dict[str, bytes]) -> bool:
+    """True when ``folder`` holds exactly ``files`` (bytecode caches aside)."""
+    if not folder.is_dir():
+        return False
+    present = {p.relative_to(folder).as_posix() for p in folder.rglob("*")
+               if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"}
+    return present == set(files) and all((folder / rel).read_bytes() == data for rel, data in files.items())
+
+
 class LocalHub:
     """A Hugging Face cache folder used as a hub: publish writes it, fetch reads it offline."""
 
@@ -116,13 +125,17 @@ class LocalHub:
         """Write ``files`` as one commit and point ``refs/<branch>`` at it; returns (commit, changed)."""
         commit = _commit_id(files)
         target = self.snapshot(repo_id, commit)
-        if not target.is_dir():  # content-addressed: an existing snapshot already holds these bytes
+        if not _holds(target, files):  # content-addressed; a damaged copy is replaced, never trusted
             target.parent.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
             try:
                 for rel, data in files.items():
                     (staging / rel).parent.mkdir(parents=True, exist_ok=True)
                     (staging / rel).write_bytes(data)
+                if target.exists():
+                    damaged = Path(tempfile.mkdtemp(dir=target.parent, prefix=".damaged-"))
+                    os.rename(target, damaged / "snapshot")
+                    shutil.rmtree(damaged)
                 os.rename(staging, target)  # atomic: a reader sees the whole snapshot or none
             except BaseException:
                 shutil.rmtree(staging, ignore_errors=True)
