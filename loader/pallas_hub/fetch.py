@@ -147,13 +147,14 @@ class Hub:
 
 
 def _is_network_error(e: Exception) -> bool:
-    import httpx
     from huggingface_hub.errors import OfflineModeIsEnabled
+    from huggingface_hub.utils import _http
 
+    transport = getattr(getattr(_http, "httpx2", None) or getattr(_http, "httpx", None), "TransportError", OSError)
     seen = set()
     while e is not None and id(e) not in seen:
         seen.add(id(e))
-        if isinstance(e, (httpx.TransportError, ConnectionError, OfflineModeIsEnabled, TimeoutError)):
+        if isinstance(e, (transport, ConnectionError, OfflineModeIsEnabled, TimeoutError)):
             return True
         e = e.__cause__ or e.__context__
     return False
