@@ -29,6 +29,12 @@ import re
 from typing import Callable
 
 REGISTRIES = ("experts", "attention", "paged_attention")
+# transformers 5.24's own implementations: a kernel may add names, never replace these
+BUILTINS = {
+    "experts": {"eager", "grouped_mm", "batched_mm", "deepgemm", "sonicmoe"},
+    "attention": {"eager", "sdpa", "flex_attention", "paged|eager", "flash_attention_2", "flash_attention_3",
+                  "flash_attention_4"},
+}
 _MISSING = object()
 
 
@@ -89,10 +95,10 @@ def _put(registration: Registration, mapping: dict, key: str, value) -> None:
     registration._undo.append(restore)
 
 
-def _check_name(registry: str, name: str, builtins) -> None:
+def _check_name(registry: str, name: str) -> None:
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-|]+", name):
         raise RegistrationError(f"{registry}: name must be a non-empty identifier-like string, got {name!r}")
-    if name in builtins or name == "eager":
+    if name in BUILTINS["experts" if registry == "experts" else "attention"]:
         raise RegistrationError(f"{registry}: {name!r} is a transformers built-in; a kernel may not replace it")
     if registry == "attention" and any(s in name for s in ("flash", "sdpa", "flex_attention", "paged|")):
         raise RegistrationError(f"attention: name {name!r} must not contain 'flash', 'sdpa', 'flex_attention' or "
@@ -128,8 +134,7 @@ def register(module, kernel: str | None = None) -> Registration:
         if unknown:
             raise RegistrationError(f"{where}: unknown key(s) {sorted(unknown)}")
         registry, name = entry["registry"], entry.get("name")
-        builtins = type(ALL_EXPERTS_FUNCTIONS)._global_mapping if registry == "experts" else attention
-        _check_name(registry, name, [k for k in builtins if k not in _ours])
+        _check_name(registry, name)
         fn = getattr(module, entry.get("function") or "", None)
         if not callable(fn):
             raise RegistrationError(f"{where}: function {entry.get('function')!r} is not a callable of the package")
@@ -154,11 +159,6 @@ def register(module, kernel: str | None = None) -> Registration:
                 _put(reg, masks, record.name, mask_fn)
         if record.registry == "paged_attention":
             _put(reg, vars(fa_utils), "_loaded_implementation", record.name)
-        _ours.add(record.name)
-        reg._undo.append(lambda n=record.name: _ours.discard(n))
         reg.entries.append(record)
     return reg
 
-
-# names registered by the loader: re-registering them (a new version of a kernel) is allowed
-_ours: set[str] = set()
