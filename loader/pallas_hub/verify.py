@@ -96,8 +96,8 @@ class PallasCall:
 def _block_dims(block_shape) -> tuple[int, ...]:
     dims = []
     for d in block_shape:
-        size = getattr(d, "block_size", d)  # Squeezed/Element/Blocked wrappers, or plain ints
-        dims.append(1 if size is None else int(size))
+        size = getattr(d, "block_size", d)  # Element/Blocked wrappers, or plain ints
+        dims.append(int(size) if isinstance(size, int) else 1)  # None and Squeezed: one element
     return tuple(dims)
 
 

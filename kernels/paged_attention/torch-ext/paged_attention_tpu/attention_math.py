@@ -1,0 +1,1 @@
+../../../flash_attention/torch-ext/flash_attention_tpu/attention_math.py

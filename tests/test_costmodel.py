@@ -1,0 +1,222 @@
+"""The TPU cost model against bytes and flops counted by hand, on small kernels and on the anchors."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_hub import chips, costmodel
+
+
+# --------------------------------------------------------------------------- small kernels
+
+def _matmul(x, y, *, bm, bn, bk):
+    m, k = x.shape
+    n = y.shape[1]
+
+    def kernel(x_ref, y_ref, o_ref, acc_ref):
+        @pl.when(pl.program_id(2) == 0)
+        def _():
+            acc_ref[...] = jnp.zeros_like(acc_ref)
+
+        acc_ref[...] += jnp.dot(x_ref[...], y_ref[...], preferred_element_type=jnp.float32)
+
+        @pl.when(pl.program_id(2) == pl.num_programs(2) - 1)
+        def _():
+            o_ref[...] = acc_ref[...].astype(o_ref.dtype)
+
+    return pl.pallas_call(
+        kernel,
+        grid=(pl.cdiv(m, bm), pl.cdiv(n, bn), pl.cdiv(k, bk)),
+        in_specs=[pl.BlockSpec((bm, bk), lambda i, j, kk: (i, kk)),
+                  pl.BlockSpec((bk, bn), lambda i, j, kk: (kk, j))],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j, kk: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((m, n), jnp.float32),
+        scratch_shapes=[pltpu.VMEM((bm, bn), jnp.float32)],
+    )(x, y)
+
+
+@pytest.mark.parametrize("m,k,n,bm,bk,bn", [
+    (256, 512, 384, 128, 128, 128),  # K split: x re-fetched every step
+    (256, 128, 384, 128, 128, 128),  # one K block: x fetched once per row of blocks
+    (200, 128, 300, 128, 128, 128),  # edge blocks: full padded blocks move
+])
+def test_matmul_bytes_and_flops_by_hand(m, k, n, bm, bk, bn):
+    x = jnp.ones((m, k), jnp.bfloat16)
+    y = jnp.ones((k, n), jnp.bfloat16)
+    cost = costmodel.estimate(functools.partial(_matmul, bm=bm, bn=bn, bk=bk), x, y)
+    gm, gn, gk = -(-m // bm), -(-n // bn), -(-k // bk)
+    steps = gm * gn * gk
+    x_moves = steps if gk > 1 else gm  # index (i, kk): constant over j only when there is one K block
+    y_moves = steps if gk > 1 or gn > 1 else 1
+    assert cost.grid_steps == steps
+    assert cost.hbm_read_bytes == x_moves * bm * bk * 2 + y_moves * bk * bn * 2
+    assert cost.hbm_write_bytes == gm * gn * bm * bn * 4
+    assert cost.flops == steps * 2 * bm * bn * bk
+    assert len(cost.calls) == 1
+
+
+def _gather_rows(rows, x, *, skip_from):
+    """out[i] = x[rows[i]] (8-row blocks); steps i >= skip_from do their dot only under pl.when."""
+    n_out = rows.shape[0]
+
+    def kernel(rows_ref, x_ref, w_ref, o_ref):
+        @pl.when(pl.program_id(0) < skip_from)
+        def _():
+            o_ref[...] = jnp.dot(x_ref[...], w_ref[...], preferred_element_type=jnp.float32)
+
+        @pl.when(pl.program_id(0) >= skip_from)
+        def _():
+            o_ref[...] = jnp.zeros_like(o_ref)
+
+    w = jnp.eye(128, dtype=jnp.float32)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(n_out,),
+            in_specs=[pl.BlockSpec((8, 128), lambda i, r: (r[i], 0)),
+                      pl.BlockSpec((128, 128), lambda i, r: (0, 0))],
+            out_specs=pl.BlockSpec((8, 128), lambda i, r: (i, 0))),
+        out_shape=jax.ShapeDtypeStruct((n_out * 8, 128), jnp.float32),
+    )(rows, x, w)
+
+
+def test_scalar_prefetch_index_maps_and_guarded_dots():
+    rows = jnp.array([0, 0, 3, 3, 3, 1, 0, 0], jnp.int32)  # runs: 0 | 3 | 1 | 0 -> 4 fetches
+    x = jnp.ones((32, 128), jnp.float32)
+    cost = costmodel.estimate(functools.partial(_gather_rows, skip_from=5), rows, x)
+    (call,) = cost.calls
+    assert [o.moves for o in call.operands if o.kind == "input"] == [4, 1]
+    assert cost.hbm_read_bytes == 4 * 8 * 128 * 4 + 128 * 128 * 4 + rows.size * 4
+    assert cost.hbm_write_bytes == 8 * 8 * 128 * 4
+    assert cost.flops == 5 * 2 * 8 * 128 * 128  # only the five steps where pl.when holds
+
+
+def _manual_copies(n_chunks, x):
+    """Copies the first n_chunks[0] chunks of 16 rows from HBM with make_async_copy, one by one."""
+
+    def kernel(n_ref, x_hbm, o_ref, buf, sem):
+        def body(c, carry):
+            copy = pltpu.make_async_copy(x_hbm.at[pl.ds(c * 16, 16)], buf, sem)
+            copy.start()
+            copy.wait()
+            o_ref[...] += buf[...]
+            return carry
+
+        o_ref[...] = jnp.zeros_like(o_ref)
+        jax.lax.fori_loop(0, n_ref[0], body, 0)
+
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(1,),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec((16, 128), lambda i, n: (0, 0)),
+            scratch_shapes=[pltpu.VMEM((16, 128), jnp.float32), pltpu.SemaphoreType.DMA]),
+        out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32),
+    )(n_chunks, x)
+
+
+@pytest.mark.parametrize("n", [0, 3, 7])
+def test_manual_dmas_counted_as_issued(n):
+    x = jnp.ones((128, 128), jnp.float32)
+    cost = costmodel.estimate(_manual_copies, jnp.array([n], jnp.int32), x)
+    (call,) = cost.calls
+    assert call.dma_read_bytes == n * 16 * 128 * 4
+    assert call.dma_write_bytes == 0
+    assert cost.hbm_read_bytes == n * 16 * 128 * 4 + 4  # + the scalar-prefetch operand
+    assert cost.hbm_write_bytes == 16 * 128 * 4
+
+
+def test_time_and_roofline_arithmetic():
+    x = jnp.ones((256, 512), jnp.bfloat16)
+    y = jnp.ones((512, 384), jnp.bfloat16)
+    cost = costmodel.estimate(functools.partial(_matmul, bm=128, bn=128, bk=128), x, y)
+    for name in chips.DEFAULT_CHIPS:
+        c = chips.chip(name)
+        expect = max(cost.hbm_bytes / c.hbm_bandwidth, cost.flops / c.peak_flops) + cost.grid_steps * c.step_overhead_s
+        assert cost.time(name) == pytest.approx(expect)
+        min_bytes = x.size * 2 + y.size * 2 + 256 * 384 * 4
+        min_flops = 2 * 256 * 512 * 384
+        frac = costmodel.roofline_fraction(cost, min_bytes, min_flops, name)
+        assert 0 < frac < 1
+        assert frac == pytest.approx(costmodel.ideal_time(min_bytes, min_flops, name) / expect)
+
+
+def test_no_pallas_call_is_an_error():
+    with pytest.raises(ValueError, match="no pallas_call"):
+        costmodel.estimate(lambda a: a + 1, jnp.ones((8, 128)))
+
+
+def test_two_calls_are_summed_and_outputs_flow_on():
+    x = jnp.ones((128, 128), jnp.bfloat16)
+
+    def two(a):
+        h = _matmul(a, a, bm=128, bn=128, bk=128)
+        return _matmul(h.astype(jnp.bfloat16), a, bm=128, bn=128, bk=128)
+
+    cost = costmodel.estimate(two, x)
+    assert len(cost.calls) == 2
+    assert cost.flops == 2 * 2 * 128 ** 3
+    assert cost.time("v6e") == pytest.approx(sum(c.time("v6e") for c in cost.calls))
+
+
+# --------------------------------------------------------------------------- anchors (kernels we did not write)
+
+def test_megablox_gmm_hand_count():
+    from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
+
+    m, k, n = 512, 256, 256
+    lhs = jnp.ones((m, k), jnp.bfloat16)
+    rhs = jnp.ones((4, k, n), jnp.bfloat16)
+    sizes = jnp.array([100, 0, 200, 150], jnp.int32)
+    cost = costmodel.estimate(megablox.gmm, lhs, rhs, sizes)
+    (call,) = cost.calls
+    # m tiles visited per group: g0 rows 0-99 -> {0}; g2 rows 100-299 -> {0,1,2}; g3 rows 300-449 -> {2,3}
+    assert call.grid == (2, 6, 2)
+    lhs_t, rhs_t, out_t = (o for o in call.operands if o.kind in ("input", "output"))
+    assert (lhs_t.moves, rhs_t.moves) == (24, 24)  # every step changes (tile, k) and (group, k, n)
+    assert out_t.moves == 2 * 4  # four distinct m tiles per n tile, written once each
+    assert out_t.block_bytes == 128 * 128 * 4
+    assert call.flops == 24 * 2 * 128 ** 3  # megablox runs the dot on every step (masked rows)
+
+
+def test_flash_attention_causal_skips_blocks():
+    from jax.experimental.pallas.ops.tpu import flash_attention as fa
+
+    q = jnp.ones((1, 2, 256, 128), jnp.float32)
+    cost = costmodel.estimate(functools.partial(fa.flash_attention, causal=True), q, q, q)
+    # 2 heads x 3 of 4 (q, kv) block pairs on or below the diagonal x 2 dots of 128^3
+    assert cost.flops == 2 * 3 * 2 * 2 * 128 ** 3
+    full = costmodel.estimate(functools.partial(fa.flash_attention, causal=False), q, q, q)
+    assert full.flops == 2 * 4 * 2 * 2 * 128 ** 3
+
+
+def test_paged_attention_counts_page_copies():
+    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    q = jnp.ones((2, 8, 128), jnp.bfloat16)
+    pages = jnp.ones((2, 64, 16, 128), jnp.bfloat16)  # 2 kv heads, 64 pages of 16 tokens
+    lengths = jnp.array([100, 57], jnp.int32)
+    table = jnp.arange(16, dtype=jnp.int32).reshape(2, 8)
+    cost = costmodel.estimate(functools.partial(paged_attention, pages_per_compute_block=4),
+                              q, pages, pages, lengths, table)
+    # compute blocks of 4 pages: 100 tokens -> 2 blocks, 57 -> 1 block; K and V, 2 kv heads
+    page_bytes = 16 * 128 * 2
+    assert cost.calls[0].dma_read_bytes == (2 + 1) * 4 * 2 * 2 * page_bytes
+
+
+def test_bulk_data_may_be_abstract_but_steering_values_not():
+    from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
+
+    sizes = jnp.array([100, 0, 200, 150], jnp.int32)
+    lhs = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
+    rhs = jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16)
+    concrete = costmodel.estimate(megablox.gmm, jnp.ones(lhs.shape, lhs.dtype), jnp.ones(rhs.shape, rhs.dtype), sizes)
+    assert costmodel.estimate(megablox.gmm, lhs, rhs, sizes) == concrete
+    with pytest.raises(costmodel.CostModelError, match="abstract"):
+        costmodel.estimate(megablox.gmm, lhs, rhs, jax.ShapeDtypeStruct((4,), jnp.int32))
