@@ -11,6 +11,7 @@ The demo needs a kernel per role; a role no landed kernel provides is reported a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
 from pathlib import Path
@@ -63,81 +64,93 @@ def _timed(fn):
     return out, time.perf_counter() - t0
 
 
-def run_models(experts: str | None, attention: str | None, paged: str | None, out=print) -> list[tuple[str, bool]]:
-    """Compare our registered implementations with transformers' defaults; returns (check, ok) pairs."""
+def _inputs(config):
     import torch
-    from transformers import AttentionInterface, ContinuousBatchingConfig, GenerationConfig
+
+    torch.manual_seed(1)
+    ids = torch.randint(3, config.vocab_size, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding in the second row
+    return ids, mask
+
+
+def check_model(experts: str | None, attention: str | None, out=print) -> list[tuple[str, bool]]:
+    """A tiny MoE model with our experts/attention vs transformers' defaults; returns (check, ok) pairs."""
+    import torch
+    from transformers import AttentionInterface
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     experts_map, attn_map = type(ALL_EXPERTS_FUNCTIONS)._global_mapping, AttentionInterface._global_mapping
     config = tiny_moe_config()
     checks = []
-    torch.manual_seed(1)
-    ids = torch.randint(3, config.vocab_size, (2, 11))
-    mask = torch.ones_like(ids)
-    mask[1, :4] = 0  # left padding in the second row
+    ids, mask = _inputs(config)
     gen = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
-
-    if experts or attention:
-        ours = {}
-        if experts:
-            ours["experts_implementation"] = experts
-        if attention:
-            ours["attn_implementation"] = attention
-        default = _model({}, config)
-        mine = _model(ours, config)
-        out(f"model: Qwen3-MoE from a config (random weights, f32), {config.num_hidden_layers} layers, "
-            f"{config.num_experts} experts top-{config.num_experts_per_tok}, batch 2 x 11 tokens with left padding")
-        out(f"  default: experts={default.config._experts_implementation} attention={default.config._attn_implementation}"
-            f" | ours: experts={mine.config._experts_implementation} attention={mine.config._attn_implementation}")
-        with torch.no_grad():
-            mine(input_ids=ids[:, :3])  # first call compiles the kernels
-            ref, t_ref = _timed(lambda: default(input_ids=ids, attention_mask=mask).logits)
-            counters = [_Counter(experts_map, experts)] if experts else []
-            counters += [_Counter(attn_map, attention)] if attention else []
+    ours = {}
+    if experts:
+        ours["experts_implementation"] = experts
+    if attention:
+        ours["attn_implementation"] = attention
+    default = _model({}, config)
+    mine = _model(ours, config)
+    out(f"model: Qwen3-MoE from a config (random weights, f32), {config.num_hidden_layers} layers, "
+        f"{config.num_experts} experts top-{config.num_experts_per_tok}, batch 2 x 11 tokens with left padding")
+    out(f"  default: experts={default.config._experts_implementation} attention={default.config._attn_implementation}"
+        f" | ours: experts={mine.config._experts_implementation} attention={mine.config._attn_implementation}")
+    with torch.no_grad():
+        mine(input_ids=ids[:, :3])  # first call compiles the kernels
+        ref, t_ref = _timed(lambda: default(input_ids=ids, attention_mask=mask).logits)
+        counters = [_Counter(experts_map, experts)] if experts else []
+        counters += [_Counter(attn_map, attention)] if attention else []
+        with contextlib.ExitStack() as stack:
             for c in counters:
-                c.__enter__()
-            try:
-                got, t_got = _timed(lambda: mine(input_ids=ids, attention_mask=mask).logits)
-                toks, t_gen = _timed(lambda: mine.generate(input_ids=ids, attention_mask=mask, **gen))
-            finally:
-                for c in counters:
-                    c.__exit__()
-            ref_toks, t_gen_ref = _timed(lambda: default.generate(input_ids=ids, attention_mask=mask, **gen))
-        valid = mask.bool()
-        diff = (got - ref)[valid].abs().max().item()
-        close = torch.allclose(got[valid], ref[valid], **TOL)
-        out(f"  logits (valid tokens): max |ours - default| = {diff:.2e} (rtol=atol={TOL['atol']:g}) "
-            f"-> {'MATCH' if close else 'MISMATCH'}")
-        same = torch.equal(toks, ref_toks)
-        out(f"  greedy generate, 6 new tokens: {'identical' if same else 'DIFFERENT'} tokens")
-        for c in counters:
-            out(f"  {c.name} called {c.calls} times (forward + generate)")
-        out(f"  time on this CPU (Pallas interpret mode, not TPU speed): forward {1e3 * t_got:.0f} ms "
-            f"(default {1e3 * t_ref:.0f} ms), generate {1e3 * t_gen:.0f} ms (default {1e3 * t_gen_ref:.0f} ms)")
-        checks += [("MoE logits match the defaults", close), ("MoE greedy tokens match", same),
-                   ("our functions were called", all(c.calls > 0 for c in counters))]
+                stack.enter_context(c)
+            got, t_got = _timed(lambda: mine(input_ids=ids, attention_mask=mask).logits)
+            toks, t_gen = _timed(lambda: mine.generate(input_ids=ids, attention_mask=mask, **gen))
+        ref_toks, t_gen_ref = _timed(lambda: default.generate(input_ids=ids, attention_mask=mask, **gen))
+    valid = mask.bool()
+    diff = (got - ref)[valid].abs().max().item()
+    close = torch.allclose(got[valid], ref[valid], **TOL)
+    out(f"  logits (valid tokens): max |ours - default| = {diff:.2e} (rtol=atol={TOL['atol']:g}) "
+        f"-> {'MATCH' if close else 'MISMATCH'}")
+    same = torch.equal(toks, ref_toks)
+    out(f"  greedy generate, 6 new tokens: {'identical' if same else 'DIFFERENT'} tokens")
+    for c in counters:
+        out(f"  {c.name} called {c.calls} times (forward + generate)")
+    out(f"  time on this CPU (kernels in Pallas interpret mode; not TPU speed): forward {1e3 * t_got:.0f} ms "
+        f"(default {1e3 * t_ref:.0f} ms), generate {1e3 * t_gen:.0f} ms (default {1e3 * t_gen_ref:.0f} ms)")
+    checks += [("MoE logits match the defaults", close), ("MoE greedy tokens match", same),
+               ("our functions were called", all(c.calls > 0 for c in counters))]
+    return checks
 
-    if paged:
-        impls = {"attn_implementation": paged, **({"experts_implementation": experts} if experts else {})}
-        prompts = [ids[0, :n].tolist() for n in (5, 9, 3)]
-        gcfg = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0)
-        cb = ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=64, use_cuda_graph=False)
-        default = _model({}, config)
-        with torch.no_grad():
-            (ref, t_ref) = _timed(lambda: [default.generate(torch.tensor([p]), generation_config=gcfg)
-                                           [0, len(p):].tolist() for p in prompts])
-        mine = _model(impls, config)
-        with _Counter(attn_map, paged) as c, torch.no_grad():
-            res, t_cb = _timed(lambda: mine.generate_batch(prompts, generation_config=gcfg,
-                                                            continuous_batching_config=cb, warmup=False))
-        got = [res[k].generated_tokens for k in sorted(res, key=lambda k: int(k.rsplit("_", 1)[1]))]  # "req_<i>"
-        same = got == ref
-        out(f"continuous batching (generate_batch, 3 prompts of 5/9/3 tokens, 6 new each) with {paged}: "
-            f"{'identical' if same else 'DIFFERENT'} tokens vs per-prompt generate with the defaults")
-        out(f"  {paged} called {c.calls} times; time {1e3 * t_cb:.0f} ms (defaults, one prompt at a time: "
-            f"{1e3 * t_ref:.0f} ms), CPU interpret mode")
-        checks += [("continuous batching tokens match", same), ("paged attention was called", c.calls > 0)]
+
+def check_continuous_batching(paged: str, experts: str | None, out=print) -> list[tuple[str, bool]]:
+    """generate_batch with our paged attention (and experts) vs per-prompt generate with the defaults."""
+    import torch
+    from transformers import AttentionInterface, ContinuousBatchingConfig, GenerationConfig
+
+    attn_map = AttentionInterface._global_mapping
+    config = tiny_moe_config()
+    ids, _ = _inputs(config)
+    checks = []
+    impls = {"attn_implementation": paged, **({"experts_implementation": experts} if experts else {})}
+    prompts = [ids[0, :n].tolist() for n in (5, 9, 3)]
+    gcfg = GenerationConfig(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    cb = ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=64, use_cuda_graph=False)
+    default = _model({}, config)
+    with torch.no_grad():
+        (ref, t_ref) = _timed(lambda: [default.generate(torch.tensor([p]), generation_config=gcfg)
+                                       [0, len(p):].tolist() for p in prompts])
+    mine = _model(impls, config)
+    with _Counter(attn_map, paged) as c, torch.no_grad():
+        res, t_cb = _timed(lambda: mine.generate_batch(prompts, generation_config=gcfg,
+                                                        continuous_batching_config=cb, warmup=False))
+    got = [res[k].generated_tokens for k in sorted(res, key=lambda k: int(k.rsplit("_", 1)[1]))]  # "req_<i>"
+    same = got == ref
+    out(f"continuous batching (generate_batch, 3 prompts of 5/9/3 tokens, 6 new each) with {paged}: "
+        f"{'identical' if same else 'DIFFERENT'} tokens vs per-prompt generate with the defaults")
+    out(f"  {paged} called {c.calls} times; time {1e3 * t_cb:.0f} ms (defaults, one prompt at a time: "
+        f"{1e3 * t_ref:.0f} ms), CPU interpret mode")
+    checks += [("continuous batching tokens match", same), ("paged attention was called", c.calls > 0)]
     return checks
 
 
@@ -174,9 +187,19 @@ def run(root: Path = mf.ROOT, local_hub: Path | None = None, compile_matrix: boo
 
         out("\n== 3. transformers with our kernels vs its defaults")
         first = {r: (n[0] if n else None) for r, n in roles.items()}
-        if any(first.values()):
-            checks += run_models(first["experts"], first["attention"], first["paged_attention"], out=out)
-        else:
+        stages = []
+        if first["experts"] or first["attention"]:
+            stages.append(("MoE model with our kernels", lambda: check_model(first["experts"], first["attention"], out)))
+        if first["paged_attention"]:
+            stages.append(("continuous batching with our kernels",
+                           lambda: check_continuous_batching(first["paged_attention"], first["experts"], out)))
+        for name, stage in stages:
+            try:
+                checks += stage()
+            except Exception as e:  # a kernel that raises is a failed check, reported, not a crashed demo
+                out(f"  {name} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+                checks.append((f"{name} ran", False))
+        if not stages:
             out("  skipped: nothing registered")
     finally:
         loaded.undo()
