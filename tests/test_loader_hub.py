@@ -95,3 +95,15 @@ def test_cli_publish_fetch_list(kernel, tmp_path, capsys):
     assert cli.main(["list", "--local-hub", hub]) == 0
     out = capsys.readouterr().out
     assert "manifest" in out and "also in the local hub: pallas-hub-tests/double-tpu (v1)" in out
+
+
+def test_cli_publish_and_list_against_a_hub_endpoint(kernel, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_TOKEN", "hf_fake")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no real token file is read
+    monkeypatch.setenv("KERNELS_CACHE", str(tmp_path / "cache"))  # never the user's Hugging Face cache
+    with FakeHub() as fake:
+        assert cli.main(["publish", "--path", str(kernel.path), "--endpoint", fake.url]) == 0
+        assert fake.files(REPO, "v1") == version_files(kernel)
+        assert cli.main(["fetch", REPO, "--version", "1", "--trust", REPO, "--endpoint", fake.url]) == 0
+        assert f"from hub {fake.url}" in capsys.readouterr().out
+    assert (tmp_path / "cache" / "kernels--pallas-hub-tests--double-tpu").is_dir()
