@@ -47,12 +47,16 @@ def _snapshots(cache):
     return sorted(p.name for p in cache.glob("kernels--*/snapshots/*"))
 
 
-def test_untrusted_repo_is_refused_with_how_to_trust_it(hub):
+def test_untrusted_repo_is_refused_with_how_to_trust_it(tmp_path):
+    hub = LocalHub(tmp_path / "hub")
+    spec = _built(tmp_path / "src", mark=str(tmp_path))  # unique code, so a unique module id
+    hub.publish(spec, progress=None)
+    module_id = json.loads((spec.path / "build" / "torch-universal" / "metadata.json").read_text())["id"]
     for trust in ([], [OTHER], ["pallas-hub-tests/double"], REPO):  # exact repo ids only; a bare string is not a list
         with pytest.raises(UntrustedRepo, match=r"trust=\['pallas-hub-tests/double-tpu'\] \(CLI: --trust "):
             fetch(REPO, 1, trust=trust, source=hub)
-    assert not any("double_tpu" in m for m in sys.modules)  # nothing of it was imported
-    assert fetch(REPO, 1, trust=[REPO], source=hub).module.REGISTRATIONS
+    assert module_id not in sys.modules  # nothing of it was imported
+    assert fetch(REPO, 1, trust=[REPO], source=hub).module.__name__ == module_id
 
 
 def test_missing_version_lists_the_versions_that_exist(hub, tmp_path, fake):
@@ -74,6 +78,12 @@ def test_tampered_local_hub_is_refused_and_the_rest_stays_usable(hub, tmp_path):
                                              r"for _bridge.py.*Nothing was imported"):
         fetch(REPO, 1, trust=[REPO], source=hub)
     assert fetch(OTHER, 1, trust=[OTHER], source=hub).module  # another kernel of the same hub still loads
+    meta_file = hub.snapshot(REPO, commit) / "build" / "torch-tpu" / "metadata.json"
+    meta = json.loads(meta_file.read_text())
+    del meta["digest"]
+    meta_file.write_text(json.dumps(meta))
+    with pytest.raises(DigestMismatch, match="torch-tpu/metadata.json has no digest, so it cannot be verified"):
+        fetch(REPO, 1, trust=[REPO], source=hub)
     hub.publish(manifest.load_kernel(tmp_path / "src" / "double-tpu"), progress=None)  # republishing repairs it
     assert fetch(REPO, 1, trust=[REPO], source=hub).commit == commit
 

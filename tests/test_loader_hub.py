@@ -17,6 +17,8 @@ REPO = "pallas-hub-tests/double-tpu"
 @pytest.fixture
 def kernel(tmp_path):
     spec = manifest.load_kernel(make_kernel(tmp_path / "src"))
+    (spec.path / "benchmarks").mkdir()
+    (spec.path / "benchmarks" / "benchmark_double.py").write_text("# published with the kernel\n")
     build.build_kernel(spec)
     return spec
 
@@ -52,6 +54,7 @@ def test_publish_to_the_hub_api_and_download_back_through_kernels_get_kernel(ker
         api = HfApi(endpoint=fake.url, token="hf_fake")
         commit = publish_hub(kernel, api=api)
         assert fake.files(REPO, "v1") == version_files(kernel)
+        assert "benchmarks/benchmark_double.py" in version_files(kernel)
         assert fake.files(REPO, "main") == {"README.md": (kernel.path / "CARD.md").read_bytes()}
         n_commits = sum(1 for m, p in fake.requests if p.endswith("/commit/v1"))
         assert publish_hub(kernel, api=api) == commit  # idempotent: no new commit
