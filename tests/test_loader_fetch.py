@@ -157,7 +157,8 @@ go = pathlib.Path(sys.argv[3]).parent / "go"
 (go.parent / ("ready-" + sys.argv[4])).touch()
 while not go.exists():  # start together, so the downloads really overlap
     time.sleep(0.01)
-f = fetch(sys.argv[1], 1, trust=[sys.argv[1]], source=Hub(endpoint=sys.argv[2], cache_dir=sys.argv[3]))
+assert Hub().endpoint == sys.argv[2]  # from HF_ENDPOINT, read when huggingface_hub is imported
+f = fetch(sys.argv[1], 1, trust=[sys.argv[1]], source=Hub(cache_dir=sys.argv[3]))
 print(json.dumps([f.commit, f.digest, str(f.path)]))
 """
 
@@ -167,7 +168,7 @@ def test_concurrent_fetches_of_one_kernel_do_not_corrupt_the_cache(fake, tmp_pat
 
     cache = tmp_path / "cache"
     env = {"PYTHONPATH": str(manifest.ROOT / "loader"), "JAX_PLATFORMS": "cpu", "HOME": str(tmp_path),
-           "PATH": "/usr/bin:/bin", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+           "PATH": "/usr/bin:/bin", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "HF_ENDPOINT": fake.url}
     procs = [subprocess.Popen([sys.executable, "-c", CHILD, REPO, fake.url, str(cache), str(i)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
     import time

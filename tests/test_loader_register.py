@@ -111,9 +111,14 @@ REGISTRATIONS = [{"registry": "experts", "name": "double_experts", "function": "
 
 def test_demo_reports_missing_roles_and_fails_on_a_mismatch(tmp_path):
     lines = []
-    assert demo.run(_root(tmp_path, source=WRONG), local_hub=tmp_path / "hub", compile_matrix=False,
-                    out=lines.append) == 1
+    root = _root(tmp_path, source=WRONG)
+    make_kernel(root / "kernels", name="bad-tpu", registrations=[{"registry": "experts", "name": "grouped_mm",
+                                                                  "function": "experts_forward"}])
+    with open(root / "build.toml", "a") as f:
+        f.write('[kernels.bad]\npath = "kernels/bad-tpu"\n')
+    assert demo.run(root, local_hub=tmp_path / "hub", compile_matrix=False, out=lines.append) == 1
     text = "\n".join(lines)
+    assert "FAILED fetch and register bad: RegistrationError: experts: 'grouped_mm' is a transformers built-in" in text
     assert "MISSING: no kernel in the manifest provides an attention function" in text
     assert "MISSING: no kernel in the manifest provides a continuous-batching attention" in text
     assert "-> MISMATCH" in text and "FAIL MoE logits match the defaults" in text

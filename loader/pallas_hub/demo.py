@@ -157,6 +157,7 @@ def check_continuous_batching(paged: str, experts: str | None, out=print) -> lis
 def run(root: Path = mf.ROOT, local_hub: Path | None = None, compile_matrix: bool = True, out=print) -> int:
     from .build import build_kernel
     from .hub import LocalHub
+    from .register import Registration
     from .session import load
 
     manifest = mf.load_manifest(root)
@@ -166,18 +167,33 @@ def run(root: Path = mf.ROOT, local_hub: Path | None = None, compile_matrix: boo
     out(f"== pallas-hub demo: {len(specs)} kernel(s) in {root / 'build.toml'}: "
         + (", ".join(f"{s.key} ({s.repo_id} v{s.version})" for s in specs) or "none"))
 
+    def attempt(name: str, fn):
+        """Run one step; a failure is reported and counted, and the demo goes on with the rest."""
+        try:
+            return fn()
+        except Exception as e:
+            out(f"  FAILED {name}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            checks.append((name, False))
+            return None
+
     out("\n== 1. build and publish to the local hub (no network)")
-    for spec in specs:
-        hub.publish(spec, build_kernel(spec), progress=out)
+    published = [s for s in specs if attempt(f"build and publish {s.key}",
+                                             lambda s=s: hub.publish(s, build_kernel(s), progress=out))]
 
     out("\n== 2. fetch with kernels.get_kernel(repo, version=N), trusted explicitly, digests verified")
-    trust = [s.repo_id for s in specs]
-    loaded, t = _timed(lambda: load({s.repo_id: s.version for s in specs}, trust=trust, source=hub))
+    registration = Registration()
     try:
-        for line in loaded.report():
-            out("  " + line)
-        out(f"  ({t:.1f} s)")
-        roles = {r: loaded.registration.names(r) for r in ("experts", "attention", "paged_attention")}
+        for spec in published:
+            got = attempt(f"fetch and register {spec.key}", lambda s=spec: _timed(
+                lambda: load({s.repo_id: s.version}, trust=[s.repo_id], source=hub)))
+            if got is None:
+                continue
+            loaded, t = got
+            registration.extend(loaded.registration)
+            for line in loaded.report():
+                out("  " + line)
+            out(f"  ({t:.1f} s)")
+        roles = {r: registration.names(r) for r in ("experts", "attention", "paged_attention")}
         wanted = {"experts": "an experts function (kernels/ragged_dot: 'tokamax_ragged_dot')",
                   "attention": "an attention function (kernels/flash_attention)",
                   "paged_attention": "a continuous-batching attention (kernels/paged_attention)"}
@@ -194,22 +210,20 @@ def run(root: Path = mf.ROOT, local_hub: Path | None = None, compile_matrix: boo
             stages.append(("continuous batching with our kernels",
                            lambda: check_continuous_batching(first["paged_attention"], first["experts"], out)))
         for name, stage in stages:
-            try:
-                checks += stage()
-            except Exception as e:  # a kernel that raises is a failed check, reported, not a crashed demo
-                out(f"  {name} raised {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-                checks.append((f"{name} ran", False))
+            checks += attempt(name, stage) or []  # a kernel that raises is a failed check, not a crashed demo
         if not stages:
             out("  skipped: nothing registered")
     finally:
-        loaded.undo()
+        registration.undo()
 
     if compile_matrix:
         from .cli import check, report
 
         out("\n== 4. TPU compile matrix (libtpu compile-only topologies, no TPU needed)")
         if specs:
-            checks.append(("compile matrix as declared", report(check(specs)) == 0))
+            status = attempt("compile matrix", lambda: report(check(specs)))
+            if status is not None:
+                checks.append(("compile matrix as declared", status == 0))
         else:
             out("  no kernels in the manifest")
 
