@@ -63,8 +63,11 @@ def test_missing_version_lists_the_versions_that_exist(hub, tmp_path, fake):
     hub.publish(_built(tmp_path / "v3", version=3), progress=None)
     with pytest.raises(VersionNotFound, match=r"version 2 not found in local hub .*; versions there: v1, v3"):
         fetch(REPO, 2, trust=[REPO], source=hub)
-    with pytest.raises(VersionNotFound, match=r"versions there: v1$"):
+    with pytest.raises(VersionNotFound, match=r"versions there: v1$"):  # (before v9 is added below)
         fetch(REPO, 2, trust=[REPO], source=Hub(endpoint=fake.url, cache_dir=tmp_path / "cache"))
+    fake.repos[REPO]["branches"]["v9"] = "../../../../outside"  # a hostile server cannot steer cache paths
+    with pytest.raises(HubError, match=r"gave '../../../../outside' as the commit of v9; expected 40 hex digits"):
+        fetch(REPO, 9, trust=[REPO], source=Hub(endpoint=fake.url, cache_dir=tmp_path / "cache"))
     with pytest.raises(VersionNotFound, match="no such kernel repository"):
         fetch("pallas-hub-tests/nope", 1, trust=["pallas-hub-tests/nope"],
               source=Hub(endpoint=fake.url, cache_dir=tmp_path / "cache"))

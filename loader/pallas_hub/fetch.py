@@ -21,6 +21,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import threading
 import types
@@ -317,6 +318,10 @@ def fetch(repo_id: str, version: int | None = None, *, trust: list[str] | tuple[
     """
     from kernels import get_kernel
 
+    from .manifest import REPO_RE
+
+    if not isinstance(repo_id, str) or not REPO_RE.match(repo_id):
+        raise ValueError(f"repo id {repo_id!r} must look like 'org/name'")
     if isinstance(trust, str) or repo_id not in set(trust):
         raise UntrustedRepo(
             f"{repo_id} is not in the trust list, so its code will not be downloaded or run. Review it, then trust it "
@@ -337,6 +342,8 @@ def fetch(repo_id: str, version: int | None = None, *, trust: list[str] | tuple[
             listed = ", ".join(f"v{v}" for v in sorted(available)) or "none"
             raise VersionNotFound(f"{repo_id}: version {version} not found in {src}; versions there: {listed}")
         commit = available[version]
+    if not isinstance(commit, str) or not re.fullmatch(r"[0-9a-f]{40}", commit):  # it becomes a cache path
+        raise HubError(f"{repo_id}: {src} gave {commit!r} as the commit of v{version}; expected 40 hex digits")
     what = f"{repo_id}@{commit[:12]}"
     tpu = on_torchtpu_host() if tpu is None else tpu
     with _ENV_LOCK, file_lock(src.cache_dir, repo_id):
