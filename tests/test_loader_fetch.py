@@ -129,6 +129,11 @@ def test_network_down_gives_a_clear_error_and_writes_nothing(fake, tmp_path, mon
     assert _snapshots(cache) == [] and not list(cache.glob("kernels--*/blobs/*.incomplete"))
     fake.broken.clear()
     assert fetch(REPO, 1, trust=[REPO], source=Hub(endpoint=fake.url, cache_dir=cache)).commit == fake.commit
+    # a verified commit in the cache is not downloaded again, so a failing server cannot damage it
+    fake.broken.add("/_bridge.py")
+    fake.requests.clear()
+    assert fetch(REPO, 1, trust=[REPO], source=Hub(endpoint=fake.url, cache_dir=cache)).commit == fake.commit
+    assert [p for _, p in fake.requests if "/resolve/" in p or "/tree/" in p] == []
 
 
 def test_a_variant_that_does_not_fit_the_host_names_the_variants(tmp_path, monkeypatch):

@@ -6,7 +6,8 @@ Order of a fetch (nothing is imported before it is verified):
    weaker: a list there also admits any "trusted publisher", and offline it skips the check entirely;
 2. the version (branch ``v<N>``) is resolved to a commit, or the lock file's commit is used;
 3. the whole commit is placed in a Hugging Face cache (downloaded from the Hub under a per-repository
-   lock, or already there in the local hub); a failed download leaves nothing behind;
+   lock unless a verified copy is already cached, or already there in the local hub); a failed
+   download leaves nothing behind;
 4. every build variant is checked against the digest in its metadata.json (kernels' own ``Digest``);
    a mismatch removes the bad snapshot and refuses; a lock file's digest must match too;
 5. ``kernels.get_kernel(repo, version=N | revision=commit, trust_remote_code=[repo])`` resolves the
@@ -129,6 +130,12 @@ class Hub:
                 raise HubError(f"{repo_id}@{commit[:12]} is not in the cache {self.cache_dir} and the Hub is offline; "
                                "fetch it once online (or publish it to the local hub)")
             return path
+        if path.is_dir():  # a commit never changes: a snapshot that verifies is reused, not downloaded again
+            try:
+                verify_snapshot(path, f"{repo_id}@{commit[:12]}")
+                return path
+            except DigestMismatch:
+                discard(self.cache_dir, repo_id, commit)
         try:
             # the whole commit (every variant): a partial snapshot is not usable offline by kernels later
             got = self._api().snapshot_download(repo_id, repo_type=REPO_TYPE, revision=commit,
