@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import time
 from pathlib import Path
 
@@ -141,9 +142,15 @@ def check_continuous_batching(paged: str, experts: str | None, out=print) -> lis
         (ref, t_ref) = _timed(lambda: [default.generate(torch.tensor([p]), generation_config=gcfg)
                                        [0, len(p):].tolist() for p in prompts])
     mine = _model(impls, config)
-    with _Counter(attn_map, paged) as c, torch.no_grad():
-        res, t_cb = _timed(lambda: mine.generate_batch(prompts, generation_config=gcfg,
-                                                        continuous_batching_config=cb, warmup=False))
+    quiet = logging.getLogger("ContinuousBatchingLogger")  # its "eos_token_id not set" is intended: fixed lengths
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with _Counter(attn_map, paged) as c, torch.no_grad():
+            res, t_cb = _timed(lambda: mine.generate_batch(prompts, generation_config=gcfg,
+                                                            continuous_batching_config=cb, warmup=False))
+    finally:
+        quiet.setLevel(level)
     got = [res[k].generated_tokens for k in sorted(res, key=lambda k: int(k.rsplit("_", 1)[1]))]  # "req_<i>"
     same = got == ref
     out(f"continuous batching (generate_batch, 3 prompts of 5/9/3 tokens, 6 new each) with {paged}: "
