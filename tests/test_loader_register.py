@@ -105,7 +105,12 @@ WRONG = '''
 import torch
 def experts_forward(self, hidden_states, top_k_index, top_k_weights):
     return torch.zeros_like(hidden_states)  # wrong on purpose
-REGISTRATIONS = [{"registry": "experts", "name": "double_experts", "function": "experts_forward"}]
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+        is_causal=attention_mask is None and query.shape[2] > 1, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+REGISTRATIONS = [{"registry": "experts", "name": "double_experts", "function": "experts_forward"},
+                 {"registry": "attention", "name": "double_attention", "function": "attention_forward", "mask": "sdpa"}]
 '''
 
 
@@ -119,6 +124,7 @@ def test_demo_reports_missing_roles_and_fails_on_a_mismatch(tmp_path):
     assert demo.run(root, local_hub=tmp_path / "hub", compile_matrix=False, out=lines.append) == 1
     text = "\n".join(lines)
     assert "FAILED fetch and register bad: RegistrationError: experts: 'grouped_mm' is a transformers built-in" in text
-    assert "MISSING: no kernel in the manifest provides an attention function" in text
+    assert "FAIL experts alone: MoE logits match the defaults" in text  # the narrowing names the culprit
+    assert "ok   attention alone: MoE logits match the defaults" in text
     assert "MISSING: no kernel in the manifest provides a continuous-batching attention" in text
     assert "-> MISMATCH" in text and "FAIL MoE logits match the defaults" in text

@@ -210,15 +210,19 @@ def run(root: Path = mf.ROOT, local_hub: Path | None = None, compile_matrix: boo
 
         out("\n== 3. transformers with our kernels vs its defaults")
         first = {r: (n[0] if n else None) for r, n in roles.items()}
-        stages = []
-        if first["experts"] or first["attention"]:
-            stages.append(("MoE model with our kernels", lambda: check_model(first["experts"], first["attention"], out)))
-        if first["paged_attention"]:
-            stages.append(("continuous batching with our kernels",
-                           lambda: check_continuous_batching(first["paged_attention"], first["experts"], out)))
-        for name, stage in stages:
-            checks += attempt(name, stage) or []  # a kernel that raises is a failed check, not a crashed demo
-        if not stages:
+        experts, attention, paged = first["experts"], first["attention"], first["paged_attention"]
+        if experts or attention:
+            result = attempt("MoE model with our kernels", lambda: check_model(experts, attention, out))
+            checks += result or []
+            if experts and attention and not (result and all(ok for _, ok in result)):
+                out("  narrowing it down, one kernel at a time:")  # which of the two disagrees
+                for label, e, a in (("experts alone", experts, None), ("attention alone", None, attention)):
+                    sub = attempt(label, lambda e=e, a=a: check_model(e, a, out))
+                    checks += [(f"{label}: {name}", ok) for name, ok in sub or []]
+        if paged:
+            checks += attempt("continuous batching with our kernels",
+                              lambda: check_continuous_batching(paged, experts, out)) or []
+        if not (experts or attention or paged):
             out("  skipped: nothing registered")
     finally:
         registration.undo()
