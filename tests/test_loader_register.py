@@ -97,6 +97,7 @@ def test_demo_flow_matches_transformers_defaults_with_the_test_double(tmp_path):
     assert demo.run(_root(tmp_path), local_hub=tmp_path / "hub", compile_matrix=False, out=lines.append) == 0
     text = "\n".join(lines)
     assert "pallas-hub-tests/double-tpu v1 commit" in text and "from local hub" in text
+    assert "registered experts          double_experts" in text
     assert "-> MATCH" in text and "identical tokens vs per-prompt generate" in text and "all 5 checks passed" in text
     assert "MISSING" not in text and _snapshot() == before
 

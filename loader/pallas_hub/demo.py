@@ -196,10 +196,10 @@ def run(root: Path = mf.ROOT, local_hub: Path | None = None, compile_matrix: boo
             if got is None:
                 continue
             loaded, t = got
-            registration.extend(loaded.registration)
             for line in loaded.report():
                 out("  " + line)
             out(f"  ({t:.1f} s)")
+            registration.extend(loaded.registration)  # undone together at the end
         roles = {r: registration.names(r) for r in ("experts", "attention", "paged_attention")}
         wanted = {"experts": "an experts function (kernels/ragged_dot: 'tokamax_ragged_dot')",
                   "attention": "an attention function (kernels/flash_attention)",
