@@ -1,0 +1,47 @@
+"""`kernels benchmark` for flash-attention-tpu: the torch op on Qwen3-30B-A3B attention shapes
+(32 q / 4 kv heads, head_dim 128), verified against torch's SDPA.
+
+On a CPU host the kernel runs in Pallas interpret mode, so the timings say nothing about a TPU
+(modelled TPU costs: costmodel_flash_attention.py). Note that `kernels benchmark` does not
+synchronise TPU devices; on TorchTPU, time with the device synchronised.
+Shapes are kept modest so that the CPU interpreter finishes.
+"""
+
+import torch
+from kernels.benchmark import Benchmark
+
+HQ, HKV, D = 32, 4, 128
+
+
+def _sdpa(q, k, v, causal):
+    return torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=causal,
+                                                            enable_gqa=True).to(q.dtype)
+
+
+class FlashAttentionBenchmark(Benchmark):
+    seed = 0
+
+    def _make(self, b, sq, sk, dtype=torch.bfloat16):
+        self.q = torch.randn(b, HQ, sq, D, device=self.device, dtype=dtype)
+        self.k = torch.randn(b, HKV, sk, D, device=self.device, dtype=dtype)
+        self.v = torch.randn(b, HKV, sk, D, device=self.device, dtype=dtype)
+
+    # prefill, causal
+    def setup_prefill_1k(self):
+        self._make(1, 1024, 1024)
+
+    def benchmark_prefill_1k(self):
+        self.out = self.kernel.attention(self.q, self.k, self.v, None, None, None, D ** -0.5, True)[0]
+
+    def verify_prefill_1k(self):
+        return _sdpa(self.q, self.k, self.v, True)
+
+    # decode against a 4k context, batch 8 (bottom-right causal = every key)
+    def setup_decode_4k(self):
+        self._make(8, 1, 4096)
+
+    def benchmark_decode_4k(self):
+        self.out = self.kernel.attention(self.q, self.k, self.v, None, None, None, D ** -0.5, True)[0]
+
+    def verify_decode_4k(self):
+        return _sdpa(self.q, self.k, self.v, False)

@@ -1,0 +1,246 @@
+"""flash-attention-tpu: interpret-mode numerics and gradients against the dense reference, the
+schedule (skipped blocks, static bound), bad input, strict interpreter and TPU compile subsets.
+
+Tolerances (max abs error vs the f32 reference, inputs ~N(0, 1)): f32 2e-5 (forward) and 1e-4
+(gradients): summation order only; bf16 3e-2: the kernel rounds p to bf16 before P @ V, as
+every TPU flash kernel does, and the output itself is bf16.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_hub.verify import compile_for_tpu, interpret
+
+F32_TOL, GRAD_TOL, BF16_TOL = 2e-5, 1e-4, 3e-2
+
+
+@pytest.fixture(scope="module")
+def fa(load_kernel):
+    return load_kernel("flash_attention")
+
+
+def _inputs(b, hq, hkv, sq, sk, d, dtype=jnp.float32, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (b, hq, sq, d), dtype)
+    k = jax.random.normal(ks[1], (b, hkv, sk, d), dtype)
+    v = jax.random.normal(ks[2], (b, hkv, sk, d), dtype)
+    sinks = jax.random.normal(ks[3], (hq,), jnp.float32)
+    return q, k, v, sinks
+
+
+def _check_forward(fa, b, hq, hkv, sq, sk, d, *, dtype=jnp.float32, use_sinks=False, seq=None, mask=None, **kw):
+    q, k, v, sinks = _inputs(b, hq, hkv, sq, sk, d, dtype)
+    sinks = sinks if use_sinks else None
+    seq = None if seq is None else jnp.asarray(seq, jnp.int32)
+    with interpret("fast"):
+        out = fa.pallas.flash_attention(q, k, v, sinks, seq, mask, chip="", **kw)
+    ref = fa.pallas.reference(q, k, v, sinks, seq, mask, **kw)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    tol = F32_TOL if dtype == jnp.float32 else BF16_TOL
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=tol, rtol=tol)
+    return out
+
+
+# Default set: small, covers every feature once, with 128-blocks so that lengths are ragged.
+FAST = [
+    # b, hq, hkv, sq, sk, d, extra
+    (1, 4, 4, 300, 300, 64, dict(block_k=256)),  # MHA, ragged blocks, causal, 2 compute tiles per K/V block
+    (2, 8, 2, 17, 300, 128, dict(window=50, softcap=5.0, use_sinks=True)),  # chunked prefill, GQA 4
+    (2, 8, 1, 1, 300, 128, dict(seq=[[10, 250, 1], [0, 300, 1]])),  # MQA decode, left+right padding
+    (2, 4, 2, 128, 128, 256, dict(causal=False, seq=[[5, 100, 77], [0, 128, 128]])),  # D=256, q padding
+    (1, 16, 2, 130, 130, 64, dict(dtype=jnp.bfloat16, window=7, use_sinks=True)),  # GQA 8, bf16
+]
+
+
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,extra", FAST)
+def test_forward_matches_reference(fa, b, hq, hkv, sq, sk, d, extra):
+    _check_forward(fa, b, hq, hkv, sq, sk, d, block_q=128, block_k=extra.pop("block_k", 128), **extra)
+
+
+def test_fully_masked_rows_are_zero_and_mask_path(fa):
+    """Left-padded rows see nothing (0, not NaN); an arbitrary mask (random, with an empty row and an
+    empty sequence) goes through the masked path."""
+    b, sq, sk = 3, 40, 40
+    mask = jax.random.bernoulli(jax.random.key(3), 0.6, (b, sq, sk))
+    mask = mask.at[0, 5].set(False).at[2].set(False)
+    out = _check_forward(fa, b, 4, 2, sq, sk, 64, mask=mask, causal=False, use_sinks=True)
+    assert np.all(np.asarray(out[0, :, 5]) == 0) and np.all(np.asarray(out[2]) == 0)
+    out = _check_forward(fa, 2, 4, 2, sq, sk, 64, seq=[[13, 40, 40], [0, 0, 40]])
+    assert np.all(np.asarray(out[0, :, :13]) == 0) and np.all(np.asarray(out[1]) == 0)
+
+
+GRADS = [  # ragged blocks, GQA, window, soft-cap, sinks, padding; MQA decode
+    (2, 8, 2, 140, 300, 128, dict(window=50, softcap=5.0, use_sinks=True, seq=[[3, 290, 140], [0, 300, 12]],
+                                  block_k=256)),  # ragged, chunked, 2 key tiles per K/V block
+    (2, 4, 1, 1, 100, 64, dict(seq=[[10, 64, 1], [0, 40, 1]])),
+]
+
+
+def _grads(f, q, k, v, sinks):
+    argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
+    w = jax.random.normal(jax.random.key(9), q.shape, jnp.float32)
+    return jax.grad(lambda *a: (f(*a) * w).sum(), argnums)(q, k, v, sinks)
+
+
+@pytest.mark.parametrize("b,hq,hkv,sq,sk,d,extra", GRADS)
+def test_gradients_match_autodiff_of_reference(fa, b, hq, hkv, sq, sk, d, extra):
+    use_sinks = extra.pop("use_sinks", False)
+    seq = extra.pop("seq", None)
+    seq = None if seq is None else jnp.asarray(seq, jnp.int32)
+    q, k, v, sinks = _inputs(b, hq, hkv, sq, sk, d)
+    sinks = sinks if use_sinks else None
+    block_k = extra.pop("block_k", 128)
+    kernel = functools.partial(fa.pallas.flash_attention, seq=seq, chip="", block_q=128, block_k=block_k, **extra)
+    with interpret("fast"):
+        got = _grads(lambda q, k, v, s: kernel(q, k, v, s), q, k, v, sinks)
+    want = _grads(lambda q, k, v, s: fa.pallas.reference(q, k, v, s, seq, **extra), q, k, v, sinks)
+    for name, a, r in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        assert not np.isnan(np.asarray(a)).any(), name
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), atol=GRAD_TOL, rtol=GRAD_TOL, err_msg=name)
+
+
+# --------------------------------------------------------------------------- the schedule
+
+def test_schedule_skips_masked_blocks_and_their_dma(fa):
+    """Causal 1024 x 1024 with 128-blocks: 36 of 64 block pairs are needed; exactly 36 steps compute
+    and K/V are fetched once per needed pair (never for a skipped block). The static step count is
+    43: a shorter q_len shifts queries right (bottom-right), which can need up to 43 pairs; the
+    spare steps repeat the last block indices (no DMA, no compute)."""
+    P = fa.pallas
+    seq = P._canonical_seq(None, 1, 1024, 1024)
+    need = P._need(seq, nq=8, nk=8, bq=128, bk=128, causal=True, window=None)
+    assert int(need.sum()) == 36
+    n = P._max_items(1024, 1024, 128, 128, True, None, False)
+    assert n == 43
+    outer, inner, flags = (np.asarray(t) for t in P._schedule(need, n))
+    assert ((flags & P.COMPUTE) != 0).sum() == 36
+    pairs = list(zip(outer, inner))
+    assert all(bool(need[0, o, i]) for o, i in pairs)
+    fetches = 1 + sum(pairs[t] != pairs[t - 1] for t in range(1, len(pairs)))  # K/V index changes
+    assert fetches == 36
+    # sliding window 128: 2 kv blocks per aligned q block, 3 at worst alignment (shifted q_len)
+    need_w = P._need(seq, nq=8, nk=8, bq=128, bk=128, causal=True, window=128)
+    assert int(need_w.sum(-1).max()) == 2 and P._max_items(1024, 1024, 128, 128, True, 128, False) <= 8 * 3
+
+
+@pytest.mark.parametrize("causal,window", [(True, None), (True, 100), (False, None), (False, 64)])
+def test_schedule_bound_holds_for_random_lengths(fa, causal, window):
+    """The static step count bounds the real schedule for any (kv_start, kv_end, q_len)."""
+    P = fa.pallas
+    rng = np.random.default_rng(0)
+    for sq, sk, bq, bk in [(300, 300, 128, 128), (17, 1000, 17, 256), (1, 700, 1, 128), (513, 900, 256, 128)]:
+        nq, nk = -(-sq // bq), -(-sk // bk)
+        seq = np.stack([rng.integers(0, sk, 200), rng.integers(0, sk + 1, 200), rng.integers(0, sq + 1, 200)], 1)
+        seq = P._canonical_seq(jnp.asarray(seq), 200, sq, sk)
+        need = np.asarray(P._need(seq, nq=nq, nk=nk, bq=bq, bk=bk, causal=causal, window=window))
+        fwd = np.maximum(need.sum(-1), 1).sum(-1).max()
+        bwd = np.maximum(need.sum(-2), 1).sum(-1).max()
+        assert fwd <= P._max_items(sq, sk, bq, bk, causal, window, False)
+        assert bwd <= P._max_items(sq, sk, bq, bk, causal, window, True)
+
+
+# --------------------------------------------------------------------------- bad input
+
+def test_bad_input_errors_name_the_argument(fa):
+    P = fa.pallas
+    q, k, v, _ = _inputs(1, 4, 2, 8, 8, 64)
+    cases = [
+        ((q, k[..., :32], v[..., :32]), {}, ValueError, "head dims differ"),
+        ((q[:, :3], k, v), {}, ValueError, "multiple of the number of KV heads"),
+        ((q, k, v), dict(window=0), ValueError, "window must be a positive"),
+        ((q.astype(jnp.float16), k, v), {}, TypeError, "q must have dtype"),
+        ((q, k, v), dict(mask=jnp.ones((1, 8, 9), bool)), ValueError, "mask must have shape"),
+        ((q, k, v), dict(mask=jnp.ones((1, 8, 8), jnp.float32)), TypeError, "mask must have dtype"),
+        ((q, k, v), dict(sinks=jnp.zeros((3,))), ValueError, "sinks must have one value per query head"),
+        ((q[..., :48], k[..., :48], v[..., :48]), {}, ValueError, "head_dim must be one of"),
+        ((q, k, v), dict(block_q=100), ValueError, "block_q must be a positive multiple of 128"),
+    ]
+    for args, kw, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            P.flash_attention(*args, chip="", **kw)
+
+
+# --------------------------------------------------------------------------- strict interpreter
+
+@pytest.mark.strict_interpret
+def test_strict_interpreter_forward_and_backward(fa):
+    """NaN-initialised VMEM, out-of-bounds reads raise, race detection: ragged blocks, padding, sinks."""
+    q, k, v, sinks = _inputs(2, 4, 2, 20, 150, 64)
+    seq = jnp.array([[5, 140, 20], [0, 150, 9]], jnp.int32)
+    f = functools.partial(fa.pallas.flash_attention, seq=seq, chip="", block_q=128, block_k=128, window=100)
+    with interpret("strict"):
+        out = f(q, k, v, sinks)
+        dq, dk, dv, ds = jax.grad(lambda *a: f(*a).sum(), (0, 1, 2, 3))(q, k, v, sinks)
+    ref = fa.pallas.reference(q, k, v, sinks, seq, window=100)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=F32_TOL)
+    want = jax.grad(lambda *a: fa.pallas.reference(*a, seq, window=100).sum(), (0, 1, 2, 3))(q, k, v, sinks)
+    for a, r in zip((dq, dk, dv, ds), want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(r), atol=GRAD_TOL, rtol=GRAD_TOL)
+
+
+# --------------------------------------------------------------------------- TPU compile (subset of the matrix)
+
+@pytest.mark.tpu_compile
+@pytest.mark.parametrize("chip,shape,label", [("v6e", "prefill 2k", "fwd+bwd"), ("tpu7x", "decode vs 32k, batch 8", "fwd"),
+                                              ("v5e", "prefill 2k", "fwd")])
+def test_compile_matrix_subset(fa, chip, shape, label):
+    from pallas_hub import manifest, matrix
+
+    configs = matrix.load_configs(manifest.ROOT / "kernels/flash_attention/compile_matrix.py", fa)
+    (config,) = [c for c in configs if c.chips == (chip,) and c.name == f"qwen3-30b-a3b {shape} causal {label}"]
+    result = compile_for_tpu(config.fn, *config.args, chip=chip, **config.static)
+    assert result.ok, result.error
+    assert result.vmem_bytes < result.vmem_capacity
+
+
+@pytest.mark.slow  # ~35 s of compiler time before it gives up
+@pytest.mark.tpu_compile
+def test_compile_rejects_vmem_overflow(fa):
+    from pallas_hub import manifest, matrix
+
+    configs = matrix.load_configs(manifest.ROOT / "kernels/flash_attention/compile_matrix.py", fa)
+    (config,) = [c for c in configs if c.fails_with]
+    result = compile_for_tpu(config.fn, *config.args, chip=config.chips[0], **config.static)
+    assert not result.ok and config.fails_with in result.error
+
+
+# --------------------------------------------------------------------------- slow sweep
+
+SWEEP = [(hq, hkv, sq, sk) for hq, hkv in [(4, 4), (4, 2), (8, 2), (8, 1)]
+         for sq, sk in [(1, 1), (1, 1024), (17, 17), (17, 300), (128, 128), (300, 300), (1024, 1024)]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hq,hkv,sq,sk", SWEEP)
+@pytest.mark.parametrize("feature", ["causal", "window", "softcap+sinks", "padded"])
+def test_sweep(fa, hq, hkv, sq, sk, feature):
+    extra = {"causal": {}, "window": dict(window=33), "softcap+sinks": dict(softcap=20.0, use_sinks=True),
+             "padded": dict(seq=[[min(3, sk - 1), sk, sq], [0, max(sk - 5, 1), max(sq - 2, 1)]])}[feature]
+    _check_forward(fa, 2, hq, hkv, sq, sk, 64, block_q=128, block_k=128, **extra)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_head_dims_and_dtypes_default_blocks(fa, d, dtype):
+    _check_forward(fa, 1, 8, 2, 1000, 1000, d, dtype=dtype, window=300, use_sinks=True)
+
+
+@pytest.mark.slow
+def test_bf16_gradients(fa):
+    """bf16 inputs: gradients within bf16 rounding of the f32 reference's (p, ds rounded to bf16 for the MXU)."""
+    q, k, v, sinks = _inputs(1, 8, 2, 300, 300, 128, jnp.bfloat16)
+    f = functools.partial(fa.pallas.flash_attention, chip="", block_q=128, block_k=256, window=200, softcap=30.0)
+    with interpret("fast"):
+        got = _grads(lambda q, k, v, s: f(q, k, v, s).astype(jnp.float32), q, k, v, sinks)
+    up = lambda x: x.astype(jnp.float32)  # noqa: E731
+    want = _grads(lambda q, k, v, s: fa.pallas.reference(q, k, v, s, window=200, softcap=30.0), up(q), up(k), up(v),
+                  sinks)
+    for name, a, r in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        scale = float(jnp.abs(r).max())
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(r), atol=3e-2 * scale, err_msg=name)

@@ -1,0 +1,206 @@
+"""pallas_attention inside transformers: attention_forward against transformers' SDPA function,
+and tiny Llama / Qwen3 / Gemma-2 / Gemma-4 text / GPT-OSS models (built from configs, random
+weights) whose logits and greedy tokens match eager attention with the kernel registered.
+
+Tolerances: logits, f32, max abs difference on the valid (non-padding) tokens <= 1e-4 (the models'
+logits are O(1); the kernel and eager differ only in summation order). Greedy tokens: identical.
+"""
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+from transformers import AttentionInterface  # noqa: E402
+from transformers.integrations.sdpa_attention import sdpa_attention_forward  # noqa: E402
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask  # noqa: E402
+
+NAME = "pallas_attention"
+LOGIT_TOL = 1e-4
+CALLS = []  # sliding_window of every call through the registered function
+
+
+@pytest.fixture(scope="module")
+def fa(load_kernel):
+    k = load_kernel("flash_attention")
+    (reg,) = k.REGISTRATIONS
+    assert reg["name"] == NAME and reg["mask"] == "sdpa"
+    fn = getattr(k, reg["function"])
+
+    def counted(*args, **kwargs):
+        CALLS.append(kwargs.get("sliding_window"))
+        return fn(*args, **kwargs)
+
+    AttentionInterface.register(NAME, counted)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+    return k
+
+
+class _Module(torch.nn.Module):
+    is_causal = True
+
+    def __init__(self, hq, hkv):
+        super().__init__()
+        self.num_key_value_groups = hq // hkv
+
+
+def _mask(b, sq, sk, pad, window=None):
+    """transformers' own sdpa_mask for left padding ``pad`` [b] (keys of a cache of sk tokens)."""
+    am = torch.ones(b, sk, dtype=torch.long)
+    for i, p in enumerate(pad):
+        am[i, :p] = 0
+    from transformers.masking_utils import and_masks, causal_mask_function, padding_mask_function, sliding_window_causal_mask_function
+
+    fn = causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    return sdpa_mask(batch_size=b, q_length=sq, kv_length=sk, q_offset=sk - sq, kv_offset=0,
+                     mask_function=and_masks(fn, padding_mask_function(am.bool())), attention_mask=am.bool(),
+                     allow_is_causal_skip=False)
+
+
+@pytest.mark.parametrize("hq,hkv,sq,sk,pad,window,sinks,softcap", [
+    (4, 2, 37, 37, [0, 9], None, False, None),      # left-padded prefill
+    (8, 1, 1, 50, [3, 0], 16, True, None),            # decode, MQA, window + sinks
+    (4, 4, 20, 20, [0, 0], None, False, 30.0),        # no padding (mask None), soft-cap
+])
+def test_attention_forward_matches_sdpa(fa, hq, hkv, sq, sk, pad, window, sinks, softcap):
+    torch.manual_seed(0)
+    b, d = len(pad), 64
+    q, k, v = torch.randn(b, hq, sq, d), torch.randn(b, hkv, sk, d), torch.randn(b, hkv, sk, d)
+    mask = None if not any(pad) and window is None else _mask(b, sq, sk, pad, window)
+    if mask is not None:  # transformers' padding + causal (+ window) masks become lengths, no mask traffic
+        seq, kind = fa._structured(mask[:, 0], causal=True, window=window)
+        assert kind == (True, window) and seq[:, 0].tolist() == [max(p, sk - (window or sk)) for p in pad]
+    s_aux = torch.randn(hq) if sinks else None
+    module = _Module(hq, hkv)
+    out, w = fa.attention_forward(module, q, k, v, mask, scaling=0.11, sliding_window=window, s_aux=s_aux,
+                                  softcap=softcap)
+    assert w is None and out.shape == (b, sq, hq, d)
+    if s_aux is None and softcap is None:
+        want, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.11, is_causal=mask is None)
+    else:  # SDPA has no sinks/soft-cap: an explicit softmax with the extra logit column
+        kk, vv = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+        s = q @ kk.transpose(-1, -2) * 0.11
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        allowed = mask if mask is not None else torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq)
+        s = s.masked_fill(~allowed, -torch.inf)
+        if s_aux is not None:
+            s = torch.cat([s, s_aux.view(1, hq, 1, 1).expand(b, hq, sq, 1)], -1)
+        p = torch.softmax(s, -1).nan_to_num(0.0)[..., :sk]
+        want = (p @ vv).transpose(1, 2)
+    valid = torch.ones(b, sq, dtype=torch.bool)
+    for i, p in enumerate(pad):  # SDPA leaves fully masked rows undefined; ours are 0
+        valid[i, : max(p - (sk - sq), 0)] = False
+        assert torch.all(out[i][~valid[i]] == 0)
+    torch.testing.assert_close(out[valid], want[valid], atol=2e-5, rtol=2e-5)
+
+
+def test_attention_forward_irregular_mask_and_errors(fa):
+    torch.manual_seed(1)
+    q, k, v = torch.randn(2, 4, 9, 64), torch.randn(2, 2, 9, 64), torch.randn(2, 2, 9, 64)
+    mask = torch.rand(2, 1, 9, 9) > 0.4  # not a padding/causal mask: the masked kernel path
+    mask[:, :, :, 0] = True
+    out, _ = fa.attention_forward(_Module(4, 2), q, k, v, mask, scaling=0.125)
+    want, _ = sdpa_attention_forward(_Module(4, 2), q, k, v, mask, scaling=0.125)
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=2e-5)
+    m = _Module(4, 2)
+    with pytest.raises(ValueError, match="dropout"):
+        fa.attention_forward(m, q, k, v, None, dropout=0.1)
+    with pytest.raises(TypeError, match="boolean mask"):
+        fa.attention_forward(m, q, k, v, torch.zeros(2, 1, 9, 9))
+    with pytest.raises(ValueError, match="attention_mask must have shape"):
+        fa.attention_forward(m, q, k, v, mask[:, :, :8])
+    with pytest.raises(ValueError, match="sliding_window must be a positive"):
+        fa.attention_forward(m, q, k, v, None, sliding_window=0)
+    with pytest.raises(ValueError, match="multiple of the number of KV heads"):
+        fa.attention_forward(m, q[:, :3], k, v, None)
+
+
+def test_torch_autograd_matches_sdpa_autograd(fa):
+    torch.manual_seed(2)
+    q = torch.randn(1, 4, 33, 64, requires_grad=True)
+    k = torch.randn(1, 2, 33, 64, requires_grad=True)
+    v = torch.randn(1, 2, 33, 64, requires_grad=True)
+    w = torch.randn(1, 33, 4, 64)
+    out, _ = fa.attention_forward(_Module(4, 2), q, k, v, None, scaling=0.2)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.2, enable_gqa=True)
+    want = torch.autograd.grad((ref.transpose(1, 2) * w).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+COMMON = dict(vocab_size=128, hidden_size=128, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, max_position_embeddings=64, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2)
+
+
+def _models():
+    T = transformers
+    return {
+        "llama": (T.LlamaConfig, T.LlamaForCausalLM, {}),
+        "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM, dict(use_sliding_window=True, sliding_window=5,
+                                                          max_window_layers=1)),
+        "gemma2": (T.Gemma2Config, T.Gemma2ForCausalLM, dict(sliding_window=5, attn_logit_softcapping=50.0)),
+        "gemma4_text": (T.Gemma4TextConfig, T.Gemma4ForCausalLM, dict(sliding_window=5, vocab_size_per_layer_input=128,
+                                                                     hidden_size_per_layer_input=8, global_head_dim=64)),
+        "gpt_oss": (T.GptOssConfig, T.GptOssForCausalLM, dict(num_local_experts=4, num_experts_per_tok=2,
+                                                              sliding_window=5)),
+    }
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "gemma4_text", "gpt_oss"])
+def test_tiny_model_matches_eager(fa, family):
+    C, M, extra = _models()[family]
+    cfg = C(**{**COMMON, **extra})
+    torch.manual_seed(0)
+    ours = M._from_config(copy.deepcopy(cfg), attn_implementation=NAME).eval()
+    torch.manual_seed(0)
+    eager = M._from_config(copy.deepcopy(cfg), attn_implementation="eager").eval()
+    if family == "gpt_oss":  # sinks start at 0 in a fresh model: make them matter
+        for a, b in zip(ours.modules(), eager.modules()):
+            if hasattr(a, "sinks"):
+                torch.manual_seed(a.layer_idx)
+                a.sinks.data.normal_()
+                b.sinks.data.copy_(a.sinks.data)
+    torch.manual_seed(1)
+    ids = torch.randint(3, 128, (2, 12))
+    am = torch.ones_like(ids)
+    am[1, :4] = 0  # left padding
+    CALLS.clear()
+    with torch.no_grad():
+        a = ours(input_ids=ids, attention_mask=am).logits
+        assert len(CALLS) == cfg.num_hidden_layers  # the kernel really ran, in every layer
+        b = eager(input_ids=ids, attention_mask=am).logits
+        valid = am.bool()
+        assert (a[valid] - b[valid]).abs().max() <= LOGIT_TOL
+        gen = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
+                   cache_implementation="static")
+        ga = ours.generate(input_ids=ids, attention_mask=am, **gen)
+        gb = eager.generate(input_ids=ids, attention_mask=am, **gen)
+    assert torch.equal(ga, gb)
+
+
+def test_torch_autograd_with_sinks_window_softcap(fa):
+    """Gradients of the torch op (q, k, v and the sinks, GPT-OSS's learnable s_aux) against torch
+    autograd of an explicit softmax with the sink column."""
+    torch.manual_seed(3)
+    b, hq, hkv, s, d = 2, 4, 2, 21, 64
+    q = torch.randn(b, hq, s, d, requires_grad=True)
+    k = torch.randn(b, hkv, s, d, requires_grad=True)
+    v = torch.randn(b, hkv, s, d, requires_grad=True)
+    sinks = torch.randn(hq, requires_grad=True)
+    w = torch.randn(b, s, hq, d)
+    out, _ = fa.attention_forward(_Module(hq, hkv), q, k, v, None, scaling=0.15, sliding_window=6, softcap=4.0,
+                                  s_aux=sinks)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v, sinks))
+    kk, vv = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    logits = 4.0 * torch.tanh(q @ kk.transpose(-1, -2) * 0.15 / 4.0)
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    logits = logits.masked_fill(~((j <= i) & (j > i - 6)), -torch.inf)
+    logits = torch.cat([logits, sinks.view(1, hq, 1, 1).expand(b, hq, s, 1)], -1)
+    ref = (torch.softmax(logits, -1)[..., :s] @ vv).transpose(1, 2)
+    want = torch.autograd.grad((ref * w).sum(), (q, k, v, sinks))
+    for name, a, r in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4, msg=name)

@@ -1,0 +1,194 @@
+"""flash-attention-tpu: Pallas TPU flash attention (GQA/MQA, causal, sliding window, soft-cap, sinks,
+padding) as a torch op with autograd, and a transformers attention function.
+
+    attention(q, k, v, sinks=None, seq=None, mask=None, scale=..., causal=True, window=0, softcap=0.0)
+        -> (out [B, Hq, Sq, D], lse [B, Hq, Sq] f32)          (torch custom op, differentiable)
+    attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs)
+        -> (out [B, Sq, Hq, D], None)                         (transformers' AttentionInterface contract)
+
+See pallas.py for the kernel and CARD.md for usage.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from . import attention_math, pallas
+from ._bridge import check_array, dtype_name, jax_op
+from ._ops import add_op_namespace_prefix
+
+import jax  # noqa: E402  (after the bridge: a kernel package imports jax, it does not declare it)
+
+
+def _opt(x):
+    return None if not x else x
+
+
+def _check(q, k, v, sinks=None, seq=None, mask=None, scale=1.0, causal=True, window=0, softcap=0.0, block_q=0,
+           block_k=0):
+    if window < 0:
+        raise ValueError(f"window must be a positive number of tokens (0 = no window), got {window}")
+    pallas.validate(q, k, v, sinks, seq, mask, scale=scale, causal=causal, window=_opt(window),
+                    softcap=_opt(softcap), block_q=_opt(block_q), block_k=_opt(block_k))
+
+
+def _forward(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None = None, seq: jax.Array | None = None,
+             mask: jax.Array | None = None, scale: float = 1.0, causal: bool = True, window: int = 0,
+             softcap: float = 0.0, block_q: int = 0, block_k: int = 0):
+    return pallas.flash_attention_with_lse(q, k, v, sinks, seq, mask, scale=scale, causal=causal, window=_opt(window),
+                                           softcap=_opt(softcap), block_q=_opt(block_q), block_k=_opt(block_k))
+
+
+def _backward(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None, seq: jax.Array | None,
+              mask: jax.Array | None, out: jax.Array, lse: jax.Array, grad: jax.Array, scale: float = 1.0,
+              causal: bool = True, window: int = 0, softcap: float = 0.0, block_q: int = 0, block_k: int = 0):
+    b, hq, sq, _ = q.shape
+    dq, dk, dv, dsinks = pallas._backward(
+        q, k, v, sinks, pallas._canonical_seq(seq, b, sq, k.shape[2]), mask, out, lse, grad, scale=scale,
+        causal=causal, window=_opt(window), softcap=_opt(softcap), block_q=_opt(block_q), block_k=_opt(block_k),
+        chip=pallas._chip_from_device())
+    return dq, dk, dv, (jax.numpy.zeros((hq,), jax.numpy.float32) if dsinks is None else dsinks)
+
+
+def _fake_forward(q, k, v, sinks=None, seq=None, mask=None, scale=1.0, causal=True, window=0, softcap=0.0,
+                  block_q=0, block_k=0):
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _fake_backward(q, k, v, sinks, seq, mask, out, lse, grad, scale=1.0, causal=True, window=0, softcap=0.0,
+                   block_q=0, block_k=0):
+    ds = torch.empty_like(sinks) if sinks is not None else q.new_empty((q.shape[1],), dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ds
+
+
+def _check_backward(q, k, v, sinks, seq, mask, out, lse, grad, *args, **kwargs):
+    _check(q, k, v, sinks, seq, mask, *args, **kwargs)
+
+
+attention = jax_op(add_op_namespace_prefix("attention"), _forward, fake=_fake_forward, validate=_check,
+                   returns=tuple[torch.Tensor, torch.Tensor])
+attention_backward = jax_op(add_op_namespace_prefix("attention_backward"), _backward, fake=_fake_backward,
+                            validate=_check_backward,
+                            returns=tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor])
+
+_STATIC = ("scale", "causal", "window", "softcap", "block_q", "block_k")
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, sinks, seq, mask = inputs[:6]
+    ctx.static = inputs[6:]
+    ctx.has_sinks = sinks is not None
+    ctx.save_for_backward(q, k, v, sinks, seq, mask, *output)
+
+
+def _autograd_backward(ctx, grad_out, grad_lse):
+    q, k, v, sinks, seq, mask, out, lse = ctx.saved_tensors
+    dq, dk, dv, dsinks = attention_backward(q, k, v, sinks, seq, mask, out, lse, grad_out.contiguous(), *ctx.static)
+    return (dq, dk, dv, dsinks if ctx.has_sinks else None, None, None) + (None,) * len(ctx.static)
+
+
+attention.register_autograd(_autograd_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------- transformers integration
+
+def _structured(mask: torch.Tensor, *, causal: bool, window: int | None):
+    """Express a boolean mask [B, Sq, Sk] as per-sequence (kv_start, kv_end, q_len) when it is
+    exactly a (left/right) padding mask combined with causal (bottom-right) and the window.
+
+    Returns (seq [B, 3] int32, exact). When not exact, seq still bounds the keys any row may see
+    (so fully padded blocks are skipped) and the kernel must also read the mask.
+    """
+    b, sq, sk = mask.shape
+    cols = mask.any(dim=1)  # [B, Sk]: keys some row may see
+    has = cols.any(dim=1)
+    ar = torch.arange(sk, device=mask.device)
+    kv_start = torch.where(cols, ar, sk).amin(dim=1).where(has, torch.zeros_like(has, dtype=torch.long))
+    kv_end = torch.where(cols, ar + 1, 0).amax(dim=1)
+    kv_start = torch.minimum(kv_start, kv_end)
+    q_len = torch.full_like(kv_end, sq)
+    seq = torch.stack([kv_start, kv_end, q_len], dim=1).to(torch.int32)
+    for cand_causal, cand_window in ((causal, window), (False, None)):
+        rows = torch.arange(sq, device=mask.device)[None, :, None]
+        q_pos = (kv_end - q_len)[:, None, None] + rows
+        k_pos = ar[None, None, :]
+        ok = (k_pos >= kv_start[:, None, None]) & (k_pos < kv_end[:, None, None])
+        if cand_causal:
+            ok = ok & (k_pos <= q_pos)
+        if cand_window is not None:
+            ok = ok & (k_pos > q_pos - cand_window)
+        if torch.equal(ok, mask):
+            return seq, (cand_causal, cand_window)
+    return seq, None
+
+
+class _MaskCache:
+    """transformers passes the same mask object to every layer: convert it once per forward."""
+
+    def __init__(self, size=4):
+        self.size, self.entries = size, {}
+
+    def get(self, mask, causal, window):
+        key = (id(mask), mask._version, causal, window)
+        hit = self.entries.get(key)
+        if hit is not None and hit[0]() is mask:
+            return hit[1]
+        result = _structured(mask[:, 0], causal=causal, window=window)
+        if len(self.entries) >= self.size:
+            self.entries.pop(next(iter(self.entries)))
+        self.entries[key] = (weakref.ref(mask), result)
+        return result
+
+
+_MASKS = _MaskCache()
+
+
+def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention contract: query [B, Hq, S, D], key/value [B, Hkv, Sk, D], the boolean
+    mask of ``sdpa_mask`` ([B, 1, S, Sk], True = attend) or None; returns ((B, S, Hq, D), None).
+
+    Reads ``sliding_window``, ``softcap``, ``s_aux`` (sinks) and ``is_causal`` from kwargs, falling
+    back to the module's ``is_causal``. A padding + causal (+ window) mask becomes per-sequence
+    lengths (no mask traffic, padded blocks skipped); any other mask is read block by block.
+    """
+    if dropout:
+        raise ValueError(f"pallas_attention does not implement attention dropout; got dropout={dropout} "
+                         "(use model.eval() or attention_dropout=0.0)")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        check_array(name, t, dtypes=pallas.DTYPES, ndim=4)
+    window = kwargs.get("sliding_window")
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
+    causal = kwargs.get("is_causal")
+    if causal is None:
+        causal = getattr(module, "is_causal", True)
+    if window is not None and window <= 0:
+        raise ValueError(f"sliding_window must be a positive number of tokens, got {window}")
+    b, hq, sq, d = query.shape
+    sk = key.shape[2]
+    seq = mask = None
+    if attention_mask is not None:
+        if attention_mask.dtype != torch.bool:
+            raise TypeError(f"attention_mask must be a boolean mask (True = attend) as built by transformers' "
+                            f"sdpa_mask; got dtype {dtype_name(attention_mask)}. Register the 'sdpa' mask "
+                            f"function for this attention implementation")
+        if attention_mask.ndim != 4 or tuple(attention_mask.shape) != (b, 1, sq, sk):
+            raise ValueError(f"attention_mask must have shape {(b, 1, sq, sk)} (batch, 1, q_len, kv_len), "
+                             f"got {tuple(attention_mask.shape)}")
+        seq, kind = _MASKS.get(attention_mask, bool(causal), window)
+        if kind is None:  # not a padding/causal/window mask: the kernel reads it
+            mask, causal, window = attention_mask[:, 0].to(torch.int8), False, None
+        else:
+            causal, window = kind
+    scale = float(d ** -0.5 if scaling is None else scaling)
+    out, _ = attention(query.contiguous(), key.contiguous(), value.contiguous(), sinks, seq, mask, scale,
+                       bool(causal), int(window or 0), float(softcap or 0.0))
+    return out.transpose(1, 2), None
+
+
+REGISTRATIONS = [
+    {"registry": "attention", "name": "pallas_attention", "function": "attention_forward", "mask": "sdpa"},
+]
+__all__ = ["attention", "attention_backward", "attention_forward", "attention_math", "pallas", "REGISTRATIONS"]

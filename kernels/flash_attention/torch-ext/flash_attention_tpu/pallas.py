@@ -1,0 +1,602 @@
+"""Flash attention for TPU in Pallas: forward (output + log-sum-exp) and backward (dq, dk, dv, dsinks).
+
+Layout: q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D], Hq = G * Hkv. q is viewed (for free) as
+[B, Hkv, G, Sq, D], so one q block holds all G heads of a KV group: each K/V block is fetched once
+per group and used G times (GQA/MQA without repeating K/V anywhere).
+
+Which keys a query sees is described per sequence by three integers (``seq`` [B, 3]):
+``kv_start`` (left padding: keys before it are masked), ``kv_end`` (keys from it on are padding)
+and ``q_len`` (query rows from it on are padding and give 0). Queries are the last ``q_len``
+tokens of the sequence, so query row i sits at position ``kv_end - q_len + i`` (causal is
+bottom-right aligned: decode and chunked prefill). Causal, sliding window, soft-cap and sinks
+follow transformers (see attention_math). An arbitrary boolean mask [B, Sq, Sk] can be given as
+well; its blocks are then read and applied on top.
+
+Work is scheduled, not swept: from ``seq`` and the static mask kind, the wrapper lists, for every
+q block, the contiguous run of KV blocks it needs, and the grid walks that list (scalar-prefetched
+tables). Fully masked blocks are therefore neither computed nor fetched nor even stepped over;
+a q block that needs nothing gets one step that writes zeros. The list length is static: the
+largest the shapes and mask kind allow (``_max_items``), padded with no-op steps that repeat the
+previous block indices (no DMA). Within a step, K/V blocks (long, for few steps) are computed in
+tiles of bq keys, and tiles no row of the q block sees are skipped (the causal diagonal).
+
+The forward's log-sum-exp (a training residual) leaves the kernel lane-broadcast, [..., 128] as
+in splash, and is sliced to [B, Hq, Sq]; the backward reads it, and dO.O, lane-dense in rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from . import attention_math as am
+from ._bridge import check_array, dtype_name
+
+DTYPES = ("float32", "bfloat16")
+HEAD_DIMS = (64, 128, 256)
+LANES = 128
+COMPUTE, FIRST, LAST = 1, 2, 4  # schedule flags
+
+# Per-chip defaults: (block_q, block_k, block_k for decode-sized q, vmem_limit_bytes). Blocks are
+# multiples of 128 (256-wide MXUs on v6e/TPU7x); a q block carries all G heads of a KV group, so
+# rows = G * block_q. Chosen with the cost model (benchmarks/): larger blocks amortise the per-step
+# overhead; decode steps are pure K/V streaming, so they take the longest K/V blocks (TPU7x's HBM
+# is fastest, so its steps must be longest).
+CHIP_BLOCKS = {
+    "v5e": (512, 512, 2048, 64 << 20),
+    "v6e": (512, 1024, 4096, 96 << 20),
+    "tpu7x": (512, 1024, 8192, 48 << 20),
+    "": (512, 512, 2048, None),  # unknown / interpret: the compiler's default VMEM limit
+}
+
+
+def _chip_from_device() -> str:
+    kind = jax.devices()[0].device_kind.lower()
+    if "v5 lite" in kind or "v5e" in kind:
+        return "v5e"
+    if "v6" in kind:
+        return "v6e"
+    if "7x" in kind or "v7" in kind:
+        return "tpu7x"
+    return ""
+
+
+# --------------------------------------------------------------------------- validation
+
+def validate(q, k, v, sinks=None, seq=None, mask=None, *, scale=None, causal=True, window=None, softcap=None,
+             block_q=None, block_k=None, chip=""):
+    check_array("q", q, dtypes=DTYPES, ndim=4)
+    check_array("k", k, dtypes=DTYPES, ndim=4)
+    check_array("v", v, dtypes=DTYPES, ndim=4)
+    if not dtype_name(q) == dtype_name(k) == dtype_name(v):
+        raise TypeError(f"q, k and v must share a dtype, got {dtype_name(q)}, {dtype_name(k)}, {dtype_name(v)}")
+    b, hq, sq, d = q.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != b:
+        raise ValueError(f"q and k must have the same batch size, got {b} and {k.shape[0]}")
+    if k.shape[3] != d:
+        raise ValueError(f"q and k head dims differ: {d} and {k.shape[3]}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS}, got {d}")
+    hkv = k.shape[1]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"the number of query heads ({hq}) must be a multiple of the number of KV heads ({hkv})")
+    if sq == 0 or k.shape[2] == 0:
+        raise ValueError(f"sequence lengths must be positive, got Sq={sq}, Sk={k.shape[2]}")
+    if sinks is not None:
+        check_array("sinks", sinks, ndim=1)
+        if sinks.shape[0] != hq:
+            raise ValueError(f"sinks must have one value per query head ({hq}), got shape {tuple(sinks.shape)}")
+    if seq is not None:
+        check_array("seq", seq, dtypes=("int32", "int64"), ndim=2)
+        if tuple(seq.shape) != (b, 3):
+            raise ValueError(f"seq (kv_start, kv_end, q_len per sequence) must have shape {(b, 3)}, got {tuple(seq.shape)}")
+    if mask is not None:
+        check_array("mask", mask, dtypes=("bool", "int8"), ndim=3)
+        if tuple(mask.shape) != (b, sq, k.shape[2]):
+            raise ValueError(f"mask must have shape {(b, sq, k.shape[2])} (batch, q_len, kv_len), got {tuple(mask.shape)}")
+    if window is not None and window <= 0:
+        raise ValueError(f"window must be a positive number of tokens, got {window}")
+    if softcap is not None and softcap <= 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    for name, blk in (("block_q", block_q), ("block_k", block_k)):
+        if blk is not None and (blk <= 0 or blk % LANES):
+            raise ValueError(f"{name} must be a positive multiple of {LANES}, got {blk}")
+    if chip not in CHIP_BLOCKS:
+        raise ValueError(f"chip must be one of {sorted(CHIP_BLOCKS)}, got {chip!r}")
+
+
+# --------------------------------------------------------------------------- scheduling
+
+def _blocks(sq, sk, block_q, block_k, chip):
+    dq, dk, dk_decode, vmem = CHIP_BLOCKS[chip]
+    if sq <= 16:  # decode-sized: a step is all K/V DMA, so take longer K/V blocks (fewer steps)
+        dk = dk_decode
+    block_q, block_k = block_q or dq, block_k or dk
+    bq = sq if sq <= block_q else block_q  # a whole (short) dimension, or a multiple of 128
+    bk = sk if sk <= block_k else block_k
+    return bq, bk, pl.cdiv(sq, bq), pl.cdiv(sk, bk), vmem
+
+
+def _compute_tile(bq, bk):
+    """Keys per compute tile in the forward: bq when it divides bk (diagonal waste <= bq/S), else bk."""
+    return bq if bq % LANES == 0 and bk % bq == 0 else bk
+
+
+def _key_ranges(kv_start, kv_end, q_len, qi, *, bq, causal, window):
+    """First/last key each q block ``qi`` may see, and whether it sees any (broadcasting int arrays)."""
+    i_lo = qi * bq
+    i_hi = jnp.minimum(qi * bq + bq, q_len) - 1
+    off = kv_end - q_len  # position of query row 0 (bottom-right alignment)
+    k_lo, k_hi = kv_start, kv_end - 1
+    if window is not None:
+        k_lo = jnp.maximum(k_lo, off + i_lo - window + 1)
+    if causal:
+        k_hi = jnp.minimum(k_hi, off + i_hi)
+    return k_lo, k_hi, (i_hi >= i_lo) & (k_hi >= k_lo)
+
+
+def _need(seq, *, nq, nk, bq, bk, causal, window):
+    """need[b, qi, kj]: does q block qi see anything of kv block kj. Each row is one contiguous run."""
+    kv_start, kv_end, q_len = (seq[:, i, None, None] for i in range(3))
+    qi = jnp.arange(nq)[None, :, None]
+    kj = jnp.arange(nk)[None, None, :]
+    k_lo, k_hi, nonempty = _key_ranges(kv_start, kv_end, q_len, qi, bq=bq, causal=causal, window=window)
+    return nonempty & (kj >= k_lo // bk) & (kj <= k_hi // bk)
+
+
+@functools.lru_cache(maxsize=256)
+def _max_items(sq, sk, bq, bk, causal, window, transposed):
+    """Static upper bound on the schedule length over every admissible ``seq``.
+
+    Shrinking kv_end or raising kv_start never adds blocks to a causal run, so the causal count is
+    maximal at kv_start=0, kv_end=Sk for a given q_len; every q_len is tried. A window run spans at
+    most bq + W - 1 keys. Every outer block (q block, or kv block when transposed) gets >= 1 step.
+    """
+    nq, nk = -(-sq // bq), -(-sk // bk)
+    q_len = np.arange(0, sq + 1)[:, None]
+    qi = np.arange(nq)[None, :]
+    i_lo, i_hi = qi * bq, np.minimum(qi * bq + bq, q_len) - 1
+    k_hi = np.minimum(sk - 1, sk - q_len + i_hi) if causal else np.full_like(i_hi, sk - 1)
+    runs = np.where(i_hi >= i_lo, np.maximum(k_hi, -1) // bk + 1, 0)  # blocks 0..k_hi // bk
+    if window is not None:
+        runs = np.minimum(runs, (bq + window - 2) // bk + 2)
+    runs = np.minimum(runs, nk)
+    if transposed:
+        return int((runs.sum(1) + nk).max())
+    return int(np.maximum(runs, 1).sum(1).max())
+
+
+def _schedule(need, n_items):
+    """Flatten need [B, R, C] (rows = outer blocks, contiguous runs) into step tables [B * n_items]:
+    outer block, inner block and flags (COMPUTE, FIRST/LAST step of its outer block)."""
+    b, r, c = need.shape
+    cnt = need.sum(-1).astype(jnp.int32)
+    start = jnp.argmax(need, -1).astype(jnp.int32)
+    slots = jnp.maximum(cnt, 1)
+    ends = jnp.cumsum(slots, -1)
+    base = ends - slots
+    t = jnp.arange(n_items, dtype=jnp.int32)
+    row = jax.vmap(lambda e: jnp.searchsorted(e, t, side="right"))(ends)
+    row = jnp.minimum(row, r - 1).astype(jnp.int32)
+    take = lambda a: jnp.take_along_axis(a, row, axis=1)  # noqa: E731
+    live = t[None] < ends[:, -1:]
+    compute = live & (take(cnt) > 0)
+    inner = take(start) + t[None] - take(base)
+    # Steps that compute nothing repeat the last computed inner block: no new DMA.
+    last_compute = jax.lax.cummax(jnp.where(compute, t[None], -1), axis=1)
+    inner = jnp.where(compute, inner, jnp.take_along_axis(inner, jnp.maximum(last_compute, 0), axis=1))
+    inner = jnp.where(last_compute >= 0, inner, 0)
+    inner = jnp.clip(inner, 0, c - 1)
+    flags = (compute * COMPUTE + (live & (t[None] == take(base))) * FIRST
+             + (live & (t[None] == take(ends) - 1)) * LAST).astype(jnp.int32)
+    return row.reshape(-1), inner.reshape(-1).astype(jnp.int32), flags.reshape(-1)
+
+
+# --------------------------------------------------------------------------- kernels
+
+def _positions(seq_ref, b, row0, col0, *, rows, cols, causal, window, mask=None):
+    """ok [rows, cols]: which (query row, key) pairs of the tile at (row0, col0) of sequence b may attend."""
+    kv_start, kv_end, q_len = seq_ref[3 * b], seq_ref[3 * b + 1], seq_ref[3 * b + 2]
+    r = row0 + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
+    k_pos = col0 + jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1)
+    ok = am.allowed(kv_end - q_len + r, k_pos, causal=causal, window=window)
+    ok = ok & (r < q_len) & (k_pos >= kv_start) & (k_pos < kv_end)
+    if mask is not None:
+        ok = ok & (mask != 0)
+    return ok
+
+
+def _tile_needed(seq_ref, b, qi, col0, cols, *, bq, causal, window):
+    """Does q block qi see any key in [col0, col0 + cols) (scalar; same rule as the schedule)."""
+    kv_start, kv_end, q_len = seq_ref[3 * b], seq_ref[3 * b + 1], seq_ref[3 * b + 2]
+    k_lo, k_hi, nonempty = _key_ranges(kv_start, kv_end, q_len, qi, bq=bq, causal=causal, window=window)
+    return nonempty & (col0 <= k_hi) & (col0 + cols > k_lo)
+
+
+def _rows(x, start, n, ragged):
+    """x [size, D] holding rows start.. of a length-n axis, rows past n zeroed when ``ragged``: a ragged
+    last block holds stale memory, and a NaN there would survive a zero weight (0 * NaN)."""
+    if ragged:
+        pos = start + jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
+        x = jnp.where(pos < n, x, jnp.zeros_like(x))
+    return x
+
+
+def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups, bq, bk, bkc, sk, scale, causal,
+                window, softcap, has_sinks, has_mask, with_lse):
+    refs = list(refs)
+    sinks_ref = refs.pop(0) if has_sinks else None
+    q_ref, k_ref, v_ref = refs[:3]
+    refs = refs[3:]
+    mask_ref = refs.pop(0) if has_mask else None
+    o_ref = refs.pop(0)
+    lse_ref = refs.pop(0) if with_lse else None
+    m_sc, l_sc, acc_sc = refs
+    b, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    step = b * n_items + t
+    qi, kj, flags = outer_ref[step], inner_ref[step], flags_ref[step]
+
+    @pl.when((flags & FIRST) != 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, am.MASK_VALUE, jnp.float32)
+        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    # K/V blocks are big (few steps, long DMAs) but computed in tiles of bkc keys, skipping tiles no
+    # row of this q block sees: the causal diagonal then wastes at most one bq x bkc tile per q block.
+    for c in range(bk // bkc):
+        col0 = kj * bk + c * bkc
+
+        @pl.when(((flags & COMPUTE) != 0)
+                 & _tile_needed(seq_ref, b, qi, col0, bkc, bq=bq, causal=causal, window=window))
+        def _compute():
+            tile = pl.ds(c * bkc, bkc)
+            ok = _positions(seq_ref, b, qi * bq, col0, rows=bq, cols=bkc, causal=causal, window=window,
+                            mask=None if mask_ref is None else mask_ref[:, tile])
+            k = k_ref[tile, :]
+            v = _rows(v_ref[tile, :], col0, sk, sk % bk != 0)
+
+            def head(g, carry):  # the G query heads of this KV group share the K/V tile
+                s = am.scores(q_ref[g], k, scale=scale, softcap=softcap)
+                m, l, acc = am.online_softmax_step(m_sc[g], l_sc[g], acc_sc[g], s, ok, v)
+                m_sc[g], l_sc[g], acc_sc[g] = m, l, acc
+                return carry
+
+            jax.lax.fori_loop(0, groups, head, 0)
+
+    @pl.when((flags & LAST) != 0)
+    def _finalize():
+        def head(g, carry):
+            sink = sinks_ref[h * groups + g] if has_sinks else None
+            out, lse = am.finalize(m_sc[g], l_sc[g], acc_sc[g], sink)
+            o_ref[g] = out.astype(o_ref.dtype)
+            if with_lse:
+                lse_ref[g] = jnp.broadcast_to(lse, (bq, LANES))
+            return carry
+
+        jax.lax.fori_loop(0, groups, head, 0)
+
+
+def _bwd_tile(seq_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, mask_ref, b, qi, col0, tile, g, *, bq, bk, bkc,
+              sq, sk, scale, causal, window, softcap):
+    """Shared backward math for head g, q block qi and the key tile ``tile`` (starting at key col0):
+    returns ds [bq, bkc] (w.r.t. the scaled logits before soft-capping), p [bq, bkc] and the operands."""
+    ok = _positions(seq_ref, b, qi * bq, col0, rows=bq, cols=bkc, causal=causal, window=window,
+                    mask=None if mask_ref is None else mask_ref[:, tile])
+    q = _rows(q_ref[g], qi * bq, sq, sq % bq != 0)
+    k = _rows(k_ref[tile, :], col0, sk, sk % bk != 0)
+    v = _rows(v_ref[tile, :], col0, sk, sk % bk != 0)
+    do = _rows(do_ref[g], qi * bq, sq, sq % bq != 0)
+    s = am.scores(q, k, scale=scale, softcap=softcap)
+    lse = jnp.expand_dims(lse_ref[g][0], -1)
+    di = jnp.expand_dims(di_ref[g][0], -1)
+    p = jnp.where(ok, jnp.exp(jnp.where(ok, s, am.MASK_VALUE) - lse), 0.0)
+    dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    ds = jnp.where(ok, p * (dp - di), 0.0)  # di of a ragged block's stale rows may be NaN
+    if softcap is not None:
+        ds = ds * (1.0 - jnp.square(s / softcap))  # d(cap * tanh(x / cap))/dx
+    return ds, p, q, k, do
+
+
+def _for_each_tile(seq_ref, b, qi, kj, flags, *, bq, bk, bkc, causal, window, body):
+    """Run body(col0, tile) for the key tiles of K/V block kj that q block qi sees (as the forward)."""
+    for c in range(bk // bkc):
+        col0 = kj * bk + c * bkc
+        pl.when(((flags & COMPUTE) != 0) & _tile_needed(seq_ref, b, qi, col0, bkc, bq=bq, causal=causal,
+                                                         window=window))(
+            functools.partial(body, col0, pl.ds(c * bkc, bkc)))
+
+
+def _dq_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups, bq, bk, bkc, sq, sk, scale, causal,
+               window, softcap, has_mask):
+    refs = list(refs)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
+    refs = refs[6:]
+    mask_ref = refs.pop(0) if has_mask else None
+    dq_ref, dq_sc = refs
+    b, t = pl.program_id(0), pl.program_id(2)
+    step = b * n_items + t
+    qi, kj, flags = outer_ref[step], inner_ref[step], flags_ref[step]
+    static = dict(bq=bq, bk=bk, bkc=bkc, sq=sq, sk=sk, scale=scale, causal=causal, window=window, softcap=softcap)
+
+    @pl.when((flags & FIRST) != 0)
+    def _init():
+        dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
+
+    def compute(col0, tile):
+        def head(g, carry):
+            ds, _, _, k, _ = _bwd_tile(seq_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, mask_ref, b, qi, col0,
+                                       tile, g, **static)
+            dq_sc[g] += scale * jax.lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+            return carry
+
+        jax.lax.fori_loop(0, groups, head, 0)
+
+    _for_each_tile(seq_ref, b, qi, kj, flags, bq=bq, bk=bk, bkc=bkc, causal=causal, window=window, body=compute)
+
+    @pl.when((flags & LAST) != 0)
+    def _finalize():
+        dq_ref[...] = dq_sc[...].astype(dq_ref.dtype)
+
+
+def _dkv_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups, bq, bk, bkc, sq, sk, scale, causal,
+                window, softcap, has_mask):
+    refs = list(refs)
+    q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
+    refs = refs[6:]
+    mask_ref = refs.pop(0) if has_mask else None
+    dk_ref, dv_ref, dk_sc, dv_sc = refs
+    b, t = pl.program_id(0), pl.program_id(2)
+    step = b * n_items + t
+    kj, qi, flags = outer_ref[step], inner_ref[step], flags_ref[step]
+    static = dict(bq=bq, bk=bk, bkc=bkc, sq=sq, sk=sk, scale=scale, causal=causal, window=window, softcap=softcap)
+
+    @pl.when((flags & FIRST) != 0)
+    def _init():
+        dk_sc[...] = jnp.zeros(dk_sc.shape, jnp.float32)
+        dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
+
+    def compute(col0, tile):
+        def head(g, carry):
+            ds, p, q, _, do = _bwd_tile(seq_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, mask_ref, b, qi, col0,
+                                        tile, g, **static)
+            if bq % 8 == 0:
+                dv_sc[tile, :] += jax.lax.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
+                dk_sc[tile, :] += scale * jax.lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
+            else:  # a short q block (decode-sized): contract over rows without a transpose
+                dims = (((0,), (0,)), ((), ()))
+                dv_sc[tile, :] += jax.lax.dot_general(p.astype(do.dtype), do, dims, preferred_element_type=jnp.float32)
+                dk_sc[tile, :] += scale * jax.lax.dot_general(ds.astype(q.dtype), q, dims,
+                                                              preferred_element_type=jnp.float32)
+            return carry
+
+        jax.lax.fori_loop(0, groups, head, 0)
+
+    _for_each_tile(seq_ref, b, qi, kj, flags, bq=bq, bk=bk, bkc=bkc, causal=causal, window=window, body=compute)
+
+    @pl.when((flags & LAST) != 0)
+    def _finalize():
+        dk_ref[...] = dk_sc[...].astype(dk_ref.dtype)
+        dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+# --------------------------------------------------------------------------- pallas calls
+
+def _params(vmem):
+    sem = ("parallel", "parallel", "arbitrary")
+    return pltpu.CompilerParams(dimension_semantics=sem, vmem_limit_bytes=vmem)
+
+
+def _forward(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap, block_q, block_k, chip, with_lse):
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    bq, bk, nq, nk, vmem = _blocks(sq, sk, block_q, block_k, chip)
+    n_items = _max_items(sq, sk, bq, bk, causal, window, False)
+    outer, inner, flags = _schedule(_need(seq, nq=nq, nk=nk, bq=bq, bk=bk, causal=causal, window=window), n_items)
+
+    q_spec = pl.BlockSpec((None, None, g, bq, d), lambda bb, h, t, o, i, f, s: (bb, h, 0, o[bb * n_items + t], 0))
+    kv_spec = pl.BlockSpec((None, None, bk, d), lambda bb, h, t, o, i, f, s: (bb, h, i[bb * n_items + t], 0))
+    in_specs, args = [], []
+    if sinks is not None:
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        args.append(sinks.astype(jnp.float32))
+    in_specs += [q_spec, kv_spec, kv_spec]
+    args += [q.reshape(b, hkv, g, sq, d), k, v]
+    if mask is not None:
+        in_specs.append(pl.BlockSpec((None, bq, bk), lambda bb, h, t, o, i, f, s: (
+            bb, o[bb * n_items + t], i[bb * n_items + t])))
+        args.append(mask.astype(jnp.int8))
+    out_specs = [q_spec]
+    out_shape = [jax.ShapeDtypeStruct((b, hkv, g, sq, d), q.dtype)]
+    if with_lse:
+        out_specs.append(pl.BlockSpec((None, None, g, bq, LANES),
+                                      lambda bb, h, t, o, i, f, s: (bb, h, 0, o[bb * n_items + t], 0)))
+        out_shape.append(jax.ShapeDtypeStruct((b, hkv, g, sq, LANES), jnp.float32))
+    kernel = functools.partial(
+        _fwd_kernel, n_items=n_items, groups=g, bq=bq, bk=bk, bkc=_compute_tile(bq, bk), sk=sk, scale=scale, causal=causal, window=window,
+        softcap=softcap, has_sinks=sinks is not None, has_mask=mask is not None, with_lse=with_lse)
+    outs = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4, grid=(b, hkv, n_items), in_specs=in_specs, out_specs=out_specs,
+            scratch_shapes=[pltpu.VMEM((g, bq, 1), jnp.float32), pltpu.VMEM((g, bq, 1), jnp.float32),
+                            pltpu.VMEM((g, bq, d), jnp.float32)]),
+        out_shape=out_shape,
+        compiler_params=_params(vmem),
+        name="flash_attention_fwd",
+    )(outer, inner, flags, seq.reshape(-1), *args)
+    out = outs[0].reshape(b, hq, sq, d)
+    lse = outs[1][..., 0].reshape(b, hq, sq) if with_lse else None
+    return out, lse
+
+
+def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window, softcap, block_q, block_k, chip):
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    g = hq // hkv
+    bq, bk, nq, nk, vmem = _blocks(sq, sk, block_q, block_k, chip)
+    need = _need(seq, nq=nq, nk=nk, bq=bq, bk=bk, causal=causal, window=window)
+    di = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # [B, Hq, Sq]
+    q5, do5 = q.reshape(b, hkv, g, sq, d), do.reshape(b, hkv, g, sq, d)
+    row = lambda x: x.reshape(b, hkv, g, 1, sq)  # noqa: E731  per-row stats, lane-dense
+    mask8 = None if mask is None else mask.astype(jnp.int8)
+    common = dict(groups=g, bq=bq, bk=bk, bkc=_compute_tile(bq, bk), sq=sq, sk=sk, scale=scale, causal=causal, window=window, softcap=softcap,
+                  has_mask=mask is not None)
+
+    def specs(n, q_idx, k_idx):
+        qs = pl.BlockSpec((None, None, g, bq, d), lambda bb, h, t, o, i, f, s: (bb, h, 0, q_idx(o, i, bb * n + t), 0))
+        ks = pl.BlockSpec((None, None, bk, d), lambda bb, h, t, o, i, f, s: (bb, h, k_idx(o, i, bb * n + t), 0))
+        rs = pl.BlockSpec((None, None, g, 1, bq), lambda bb, h, t, o, i, f, s: (bb, h, 0, 0, q_idx(o, i, bb * n + t)))
+        in_specs = [qs, ks, ks, qs, rs, rs]
+        if mask is not None:
+            in_specs.append(pl.BlockSpec((None, bq, bk), lambda bb, h, t, o, i, f, s: (
+                bb, q_idx(o, i, bb * n + t), k_idx(o, i, bb * n + t))))
+        return in_specs, qs, ks
+
+    args = [q5, k, v, do5, row(lse), row(di)] + ([mask8] if mask is not None else [])
+
+    # dq: q blocks outer, as the forward
+    n_q = _max_items(sq, sk, bq, bk, causal, window, False)
+    tables = _schedule(need, n_q)
+    in_specs, qs, _ = specs(n_q, lambda o, i, x: o[x], lambda o, i, x: i[x])
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, n_items=n_q, **common),
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=4, grid=(b, hkv, n_q), in_specs=in_specs,
+                                               out_specs=qs, scratch_shapes=[pltpu.VMEM((g, bq, d), jnp.float32)]),
+        out_shape=jax.ShapeDtypeStruct((b, hkv, g, sq, d), q.dtype),
+        compiler_params=_params(vmem),
+        name="flash_attention_dq",
+    )(*tables, seq.reshape(-1), *args)
+
+    # dk, dv: kv blocks outer, each summing over its q blocks and the G heads of its group
+    n_k = _max_items(sq, sk, bq, bk, causal, window, True)
+    tables = _schedule(jnp.swapaxes(need, 1, 2), n_k)
+    in_specs, _, ks = specs(n_k, lambda o, i, x: i[x], lambda o, i, x: o[x])
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, n_items=n_k, **common),
+        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=4, grid=(b, hkv, n_k), in_specs=in_specs,
+                                               out_specs=[ks, ks],
+                                               scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32)] * 2),
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=_params(vmem),
+        name="flash_attention_dkv",
+    )(*tables, seq.reshape(-1), *args)
+
+    dsinks = None
+    if sinks is not None:  # d/dz of a sink logit z: -sum over rows of p_sink * (dO . O)
+        p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+        p_sink = jnp.where(lse == am.MASK_VALUE, 0.0, p_sink)
+        dsinks = -jnp.sum(p_sink * di, axis=(0, 2)).astype(sinks.dtype)
+    return dq.reshape(q.shape), dk, dv, dsinks
+
+
+# --------------------------------------------------------------------------- public API
+
+def _canonical_seq(seq, b, sq, sk):
+    if seq is None:
+        return jnp.tile(jnp.array([[0, sk, sq]], jnp.int32), (b, 1))
+    seq = seq.astype(jnp.int32)
+    kv_start = jnp.clip(seq[:, 0], 0, sk)
+    kv_end = jnp.clip(seq[:, 1], kv_start, sk)
+    q_len = jnp.clip(seq[:, 2], 0, sq)
+    return jnp.stack([kv_start, kv_end, q_len], axis=1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _attention(q, k, v, sinks, seq, mask, static):
+    return _forward(q, k, v, sinks, seq, mask, with_lse=False, **dict(static))[0]
+
+
+def _attention_fwd(q, k, v, sinks, seq, mask, static):
+    out, lse = _forward(q, k, v, sinks, seq, mask, with_lse=True, **dict(static))
+    return out, (q, k, v, sinks, seq, mask, out, lse)
+
+
+def _attention_bwd(static, res, do):
+    q, k, v, sinks, seq, mask, out, lse = res
+    dq, dk, dv, dsinks = _backward(q, k, v, sinks, seq, mask, out, lse, do, **dict(static))
+    return dq, dk, dv, dsinks, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def flash_attention(q, k, v, sinks=None, seq=None, mask=None, *, scale=None, causal=True, window=None,
+                    softcap=None, block_q=None, block_k=None, chip=None):
+    """Attention of q [B, Hq, Sq, D] over k/v [B, Hkv, Sk, D] -> [B, Hq, Sq, D] (q's dtype).
+
+    sinks [Hq] (GPT-OSS), seq int [B, 3] = (kv_start, kv_end, q_len) per sequence (module doc),
+    mask bool/int8 [B, Sq, Sk] (True = may attend, applied on top), scale (default D**-0.5),
+    causal (bottom-right), window W (keys k > q - W), softcap (cap * tanh(s / cap)).
+    Differentiable in q, k, v and sinks. ``chip`` ("v5e", "v6e", "tpu7x") picks block sizes and the
+    VMEM limit; by default the current device's.
+    """
+    if chip is None:
+        chip = _chip_from_device()
+    validate(q, k, v, sinks, seq, mask, scale=scale, causal=causal, window=window, softcap=softcap,
+             block_q=block_q, block_k=block_k, chip=chip)
+    b, _, sq, d = q.shape
+    static = (("scale", float(d ** -0.5 if scale is None else scale)), ("causal", bool(causal)),
+              ("window", None if window is None else int(window)),
+              ("softcap", None if softcap is None else float(softcap)), ("block_q", block_q),
+              ("block_k", block_k), ("chip", chip))
+    return _attention(q, k, v, sinks, _canonical_seq(seq, b, sq, k.shape[2]), mask, static)
+
+
+def flash_attention_with_lse(q, k, v, sinks=None, seq=None, mask=None, *, scale=None, causal=True, window=None,
+                             softcap=None, block_q=None, block_k=None, chip=None):
+    """Forward only: (out [B, Hq, Sq, D], log-sum-exp [B, Hq, Sq] f32, sinks included; MASK_VALUE for empty rows)."""
+    if chip is None:
+        chip = _chip_from_device()
+    validate(q, k, v, sinks, seq, mask, scale=scale, causal=causal, window=window, softcap=softcap,
+             block_q=block_q, block_k=block_k, chip=chip)
+    b, _, sq, d = q.shape
+    return _forward(q, k, v, sinks, _canonical_seq(seq, b, sq, k.shape[2]), mask,
+                    scale=float(d ** -0.5 if scale is None else scale), causal=causal, window=window,
+                    softcap=softcap, block_q=block_q, block_k=block_k, chip=chip, with_lse=True)
+
+
+def reference(q, k, v, sinks=None, seq=None, mask=None, *, scale=None, causal=True, window=None, softcap=None, **_):
+    """The dense reference with this module's conventions (f32 result)."""
+    b, _, sq, d = q.shape
+    sk = k.shape[2]
+    seq = _canonical_seq(seq, b, sq, sk)
+    scale = d ** -0.5 if scale is None else scale
+    if mask is None and not bool(jnp.all(seq[:, 0] == 0)):
+        mask = jnp.broadcast_to(jnp.arange(sk)[None, None, :] >= seq[:, 0, None, None], (b, sq, sk))
+    elif mask is not None:
+        mask = mask.astype(bool) & (jnp.arange(sk)[None, None, :] >= seq[:, 0, None, None])
+    if mask is None:
+        return am.reference_attention(q, k, v, scale=scale, causal=causal, window=window, softcap=softcap,
+                                      sinks=sinks, q_lens=seq[:, 2], kv_lens=seq[:, 1])
+    return _masked_reference(q, k, v, sinks, seq, mask, scale=scale, causal=causal, window=window, softcap=softcap)
+
+
+def _masked_reference(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap):
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", q.astype(jnp.float32).reshape(b, hkv, hq // hkv, sq, d),
+                   k.astype(jnp.float32)) * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    kv_end, q_len = seq[:, 1, None, None], seq[:, 2, None, None]
+    rows = jnp.arange(sq)[None, :, None]
+    cols = jnp.arange(sk)[None, None, :]
+    ok = am.allowed(kv_end - q_len + rows, cols, causal=causal, window=window)
+    ok = ok & (rows < q_len) & (cols < kv_end) & mask
+    s = jnp.where(ok[:, None, None], s, -jnp.inf)
+    if sinks is not None:
+        z = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, hq // hkv, 1, 1), s.shape[:-1] + (1,))
+        s = jnp.concatenate([s, z], axis=-1)
+    p = jnp.nan_to_num(jax.nn.softmax(s, axis=-1))
+    if sinks is not None:
+        p = p[..., :-1]
+    return jnp.einsum("bhgqk,bhkd->bhgqd", p, v.astype(jnp.float32)).reshape(b, hq, sq, d)
