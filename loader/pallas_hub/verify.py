@@ -80,7 +80,7 @@ class Block:
 @dataclasses.dataclass(frozen=True)
 class PallasCall:
     name: str
-    grid: tuple[int, ...]
+    grid: tuple[int, ...]  # -1 marks a dynamic dimension (its size is a traced value)
     num_scalar_prefetch: int
     inputs: tuple[Block, ...]
     outputs: tuple[Block, ...]
@@ -152,7 +152,7 @@ def pallas_calls(fn: Callable, *args, **kwargs) -> list[PallasCall]:
         calls.append(
             PallasCall(
                 name=str(getattr(info, "name", "pallas_call")),
-                grid=tuple(int(g) for g in gm.grid),
+                grid=tuple(g if isinstance(g, int) else -1 for g in gm.grid),  # -1: dynamic (traced) size
                 num_scalar_prefetch=gm.num_index_operands,
                 inputs=tuple(b for b in blocks if "output" not in b.origin.lower())[:n_in],
                 outputs=tuple(b for b in blocks if "output" in b.origin.lower()),

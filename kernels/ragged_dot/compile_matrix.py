@@ -1,0 +1,79 @@
+"""Compile matrix of ragged-dot-tpu: what `pallas-hub check ragged_dot` compiles for v5e, v6e and TPU7x.
+
+ragged_dot (forward, the gate_up layer), its backward, and the whole experts op at real MoE
+shapes (transformers' weight layouts, bf16) for 1, 64, 256 and 4096 tokens (top-k rows each).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_hub.matrix import Config
+
+# name: (hidden, experts, top_k, moe_intermediate, activation); checked against the models' configs
+MODELS = {
+    "qwen3-30b-a3b": (2048, 128, 8, 768, "silu"),
+    "gemma4-26b-a4b": (2816, 128, 8, 704, "gelu_tanh"),
+}
+TOKENS = (1, 64, 256, 4096)
+S = jax.ShapeDtypeStruct
+BF16 = jnp.bfloat16
+
+
+def _rd_specs(m, h, e, i):
+    return S((m, h), BF16), S((e, 2 * i, h), BF16), S((e,), jnp.int32)  # gate_up layer, [E, 2I, H] as is
+
+
+def _experts_specs(t, h, e, k, i, weights_dtype=jnp.float32):
+    return (S((t, h), BF16), S((t, k), jnp.int32), S((t, k), weights_dtype), S((e, 2 * i, h), BF16),
+            S((e, h, i), BF16))
+
+
+def configs(kernel):
+    P, X = kernel.pallas, kernel.experts
+
+    def forward(lhs, rhs, gs):
+        return P.ragged_dot(lhs, rhs, gs, rhs_transposed=True)
+
+    def backward(lhs, rhs, gs):
+        return jax.grad(lambda a, w: forward(a, w, gs).astype(jnp.float32).sum(), (0, 1))(lhs, rhs)
+
+    out = []
+    for model, (h, e, k, i, act) in MODELS.items():
+        for t in TOKENS:
+            m = t * k
+            out.append(Config(f"{model} ragged_dot fwd T={t}", forward, _rd_specs(m, h, e, i)))
+            out.append(Config(f"{model} ragged_dot fwd+bwd T={t}", backward, _rd_specs(m, h, e, i)))
+            tb = X.bucket(t)
+            out.append(Config(f"{model} experts T={t} (bucket {tb})", X.experts, _experts_specs(tb, h, e, k, i),
+                              dict(activation=act)))
+    # GPT-OSS-20B: transposed, interleaved gate/up with biases, clamped swiglu, bf16 routing weights
+    h, e, k, i = 2880, 32, 4, 2880
+    out.append(Config(
+        "gpt-oss-20b experts T=64", X.experts,
+        (S((64, h), BF16), S((64, k), jnp.int32), S((64, k), BF16), S((e, h, 2 * i), BF16), S((e, i, h), BF16),
+         S((e, 2 * i), BF16), S((e, h), BF16)),
+        dict(activation="swiglu_oai", alpha=1.702, limit=7.0, is_transposed=True, interleaved=True)))
+    # Expert parallelism: Qwen3-30B-A3B's 128 experts over 8 chips (16 local), tokens replicated.
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from pallas_hub.chips import EIGHT_CHIP_TOPOLOGY
+    from pallas_hub.verify import tpu_mesh
+
+    mesh = tpu_mesh(("ep",), (8,), EIGHT_CHIP_TOPOLOGY)
+    rep, shard = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("ep"))
+    h, e, k, i, _ = MODELS["qwen3-30b-a3b"]
+    for t in (64, 4096):
+        specs = [S(a.shape, a.dtype, sharding=rep if n < 3 else shard)
+                 for n, a in enumerate(_experts_specs(t, h, e, k, i))]
+        out.append(Config(f"qwen3-30b-a3b experts EP=8 T={t}", functools.partial(X.experts_sharded, mesh),
+                          tuple(specs), dict(activation="silu"), chips=("v6e",), topology=EIGHT_CHIP_TOPOLOGY))
+    # Declared unsupported, to prove the check can fail: forced 4096-wide tiles of a k=16384 weight
+    # (2 x 128 MiB weight buffers) exceed every chip's VMEM.
+    out.append(Config(
+        "forced tile_n=4096 at k=16384 (VMEM overflow)",
+        lambda a, w, g: P.ragged_dot(a, w, g, tile_m=128, tile_n=4096),
+        (S((1024, 16384), BF16), S((4, 16384, 4096), BF16), S((4,), jnp.int32)),
+        fails_with="RESOURCE_EXHAUSTED"))
+    return out

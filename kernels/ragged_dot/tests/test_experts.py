@@ -1,0 +1,185 @@
+"""experts_forward inside tiny transformers MoE models, against experts_implementation="grouped_mm"."""
+
+import copy
+
+import pytest
+import torch
+import transformers as T
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+NAME = "tokamax_ragged_dot"
+COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+FAMILIES = {
+    "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM, dict(
+        intermediate_size=64, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, head_dim=16)),
+    "qwen2_moe": (T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM, dict(
+        intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=8,
+        num_experts_per_tok=2)),
+    "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, dict(
+        intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16)),
+    "olmoe": (T.OlmoeConfig, T.OlmoeForCausalLM, dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2)),
+    "deepseek_v3": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM, dict(
+        intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, n_group=2,
+        topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=16, num_key_value_heads=4)),
+    "gpt_oss": (T.GptOssConfig, T.GptOssForCausalLM, dict(
+        intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16, sliding_window=8)),
+    "gemma4_text": (T.Gemma4TextConfig, T.Gemma4ForCausalLM, dict(
+        intermediate_size=64, head_dim=16, enable_moe_block=True, num_experts=8, top_k_experts=2,
+        moe_intermediate_size=32, vocab_size_per_layer_input=256, hidden_size_per_layer_input=8, sliding_window=8,
+        global_head_dim=16)),
+}
+# f32: both paths compute the same sums in a different order (observed <= 1e-6 on these models).
+TOL = {torch.float32: 1e-4}
+
+
+CALLS = []
+
+
+@pytest.fixture(scope="module")
+def kern(load_kernel):
+    k = load_kernel("ragged_dot")
+
+    def counted(self, *args):  # the package's function, counting calls so a test can't pass by falling back
+        CALLS.append(type(self).__name__)
+        return k.experts_forward(self, *args)
+
+    ALL_EXPERTS_FUNCTIONS.register(NAME, counted)
+    return k
+
+
+def _models(family):
+    """f32 grouped_mm model with perturbed random weights, and ours with the same weights."""
+    C, M, extra = FAMILIES[family]
+    cfg = C(**{**COMMON, **extra})
+    torch.manual_seed(0)
+    ref = M._from_config(copy.deepcopy(cfg), experts_implementation="grouped_mm").eval()
+    ours = M._from_config(copy.deepcopy(cfg), experts_implementation=NAME).eval()
+    with torch.no_grad():  # tiny random init leaves some weights at 0: make every expert matter
+        for p in ref.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_and_greedy_tokens_match_grouped_mm(kern, family):
+    """f32: logits within 1e-4 of grouped_mm and identical greedy tokens. bf16: ours is at most
+    1.25x (+4e-3) as far from the f32 logits as grouped_mm in bf16 is (we keep the epilogue in
+    f32; transformers rounds to bf16 before the activation, which on GPT-OSS costs it 0.27)."""
+    ref, ours = _models(family)
+    ids = torch.randint(3, 256, (2, 10), generator=torch.Generator().manual_seed(1))
+    n_experts = sum(hasattr(m, "gate_up_proj") for m in ours.modules())
+    with torch.no_grad():
+        CALLS.clear()
+        truth, b = ref(input_ids=ids).logits, ours(input_ids=ids).logits
+        assert len(CALLS) == n_experts, CALLS  # our function ran for every MoE layer
+        err = (truth - b).abs().max().item()
+        assert err <= TOL[torch.float32], f"{family} f32: max |dlogits| = {err:.3g}"
+        kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+        assert torch.equal(ref.generate(input_ids=ids, **kw), ours.generate(input_ids=ids, **kw))
+        ref, ours = ref.to(torch.bfloat16), ours.to(torch.bfloat16)
+        e_ref = (ref(input_ids=ids).logits.float() - truth).abs().max().item()
+        e_ours = (ours(input_ids=ids).logits.float() - truth).abs().max().item()
+        assert e_ours <= 1.25 * e_ref + 4e-3, f"{family} bf16: ours {e_ours:.3g} vs grouped_mm {e_ref:.3g} from f32"
+
+
+def _qwen3_experts(kern, dtype=torch.float32, hidden=64):
+    cfg = T.Qwen3MoeConfig(**{**COMMON, "hidden_size": hidden}, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
+                           num_experts_per_tok=2, head_dim=16)
+    cfg._experts_implementation = "grouped_mm"
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    torch.manual_seed(0)
+    mod = Qwen3MoeExperts(cfg).to(dtype)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.copy_(0.1 * torch.randn_like(p))
+    return mod
+
+
+def _routing(t, e, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    return idx, torch.softmax(torch.randn(t, k, generator=g), -1)
+
+
+def test_decode_loop_compiles_once_per_bucket(kern):
+    """Batch sizes 1..64 in one decode loop: the op is traced (compiled) once per token bucket."""
+    mod = _qwen3_experts(kern, hidden=80)  # a hidden size no other test uses: nothing cached yet
+    grouped = ALL_EXPERTS_FUNCTIONS["grouped_mm"]
+    before = kern.experts.TRACES["experts"]
+    with torch.no_grad():
+        for t in range(1, 65):
+            x = torch.randn(t, 80)
+            idx, w = _routing(t, 8, 2, seed=t)
+            out = kern.experts_forward(mod, x, idx, w)
+            if t in (1, 17, 64):
+                torch.testing.assert_close(out, grouped(mod, x, idx, w), rtol=1e-5, atol=1e-5)
+    compiles = kern.experts.TRACES["experts"] - before
+    assert compiles == len({kern.experts.bucket(t) for t in range(1, 65)}) == 4, compiles
+
+
+def test_expert_parallel_sentinels(kern):
+    """Two EP ranks of 4 local experts each, ids of the other rank's experts turned into the
+    sentinel 4 (as transformers' EP router does): each rank's output plus the other's is the
+    full layer, and a rank whose tokens all went elsewhere returns exact zeros."""
+    full = _qwen3_experts(kern)
+    grouped = ALL_EXPERTS_FUNCTIONS["grouped_mm"]
+    x = torch.randn(13, 64)
+    idx, w = _routing(13, 8, 2, seed=3)
+    total = torch.zeros(13, 64)
+    with torch.no_grad():
+        for rank in range(2):
+            local = copy.deepcopy(full)
+            lo = 4 * rank
+            local.gate_up_proj = torch.nn.Parameter(full.gate_up_proj[lo:lo + 4].clone())
+            local.down_proj = torch.nn.Parameter(full.down_proj[lo:lo + 4].clone())
+            local.num_experts = 4
+            local._is_expert_parallel = True
+            mine = (idx >= lo) & (idx < lo + 4)
+            local_idx = torch.where(mine, idx - lo, torch.full_like(idx, 4))
+            local_w = torch.where(mine, w, torch.zeros_like(w))
+            total += kern.experts_forward(local, x, local_idx, local_w)
+        torch.testing.assert_close(total, grouped(full, x, idx, w), rtol=1e-5, atol=1e-5)
+        nothing = kern.experts_forward(local, x, torch.full_like(idx, 4), torch.zeros_like(w))
+        assert torch.equal(nothing, torch.zeros_like(nothing))
+
+
+def test_unsupported_experts_and_bad_ids_are_refused(kern):
+    mod = _qwen3_experts(kern)
+    x = torch.randn(3, 64)
+    idx, w = _routing(3, 8, 2)
+    with pytest.raises(ValueError, match=r"expert ids in \[8, 8\] but there are 8 experts"):
+        kern.experts_forward(mod, x, torch.full_like(idx, 8), w)
+    with pytest.raises(ValueError, match="expert ids in"):
+        kern.experts_forward(mod, x, torch.full_like(idx, -1), w)
+    mod.act_fn = torch.nn.ReLU()
+    with pytest.raises(NotImplementedError, match="activation ReLU"):
+        kern.experts_forward(mod, x, idx, w)
+    mod.has_post_expert_norm = True
+    with pytest.raises(NotImplementedError, match="post-expert norm"):
+        kern.experts_forward(mod, x, idx, w)
+    with pytest.raises(ValueError, match="hidden size mismatch"):
+        kern.experts_op(torch.randn(8, 32), idx[:1].expand(8, 2).contiguous(), w[:1].expand(8, 2).contiguous(),
+                        mod.gate_up_proj, mod.down_proj)
+
+
+def test_experts_op_with_intermediate_off_the_lane_grid(kern):
+    """I = 64 (not a multiple of 128) with H = 128: the fused kernel reads down through its
+    [E, I, H] view (see experts.py); compared with transformers' grouped_mm."""
+    cfg = T.Qwen3MoeConfig(**{**COMMON, "hidden_size": 128}, intermediate_size=64, moe_intermediate_size=64,
+                           num_experts=8, num_experts_per_tok=2, head_dim=16)
+    cfg._experts_implementation = "grouped_mm"
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    torch.manual_seed(0)
+    mod = Qwen3MoeExperts(cfg)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.copy_(0.1 * torch.randn_like(p))
+        x = torch.randn(11, 128)
+        idx, w = _routing(11, 8, 2, seed=5)
+        torch.testing.assert_close(kern.experts_forward(mod, x, idx, w),
+                                   ALL_EXPERTS_FUNCTIONS["grouped_mm"](mod, x, idx, w), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,217 @@
+"""transformers' experts contract in one op: route, gate_up + activation (fused), down, weight, unsort, sum.
+
+``experts_forward(self, hidden_states[T, H], top_k_index[T, k], top_k_weights[T, k]) -> [T, H]`` is
+what ``ALL_EXPERTS_FUNCTIONS.register("tokamax_ragged_dot", experts_forward)`` plugs in. It reads
+the weights and the activation off ``self`` and makes one custom-op call whose JAX body is
+``experts`` below. Token counts are padded to a bucket (padding rows are routed to no expert, so
+they cost no weight traffic and no MXU work), so a decode loop compiles once per bucket, not once
+per batch size. Expert ids outside [0, num_experts) are expert-parallel sentinels: never
+computed, they contribute zero.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from . import pallas
+from ._bridge import check_array, dtype_name, jax_op
+from ._ops import add_op_namespace_prefix
+
+TRACES = {"experts": 0}  # how many times the experts op was traced (= compiled): see bucket()
+
+
+def bucket(num_tokens: int) -> int:
+    """Padded token count: 8, 16, 32, ... 1024, then multiples of 1024 (4 shapes for 1..64 tokens)."""
+    if num_tokens <= 8:
+        return 8
+    if num_tokens <= 1024:
+        return 1 << (num_tokens - 1).bit_length()
+    return -(-num_tokens // 1024) * 1024
+
+
+# --------------------------------------------------------------------------- the JAX function
+
+def validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias=None,
+             down_bias=None, activation="silu", alpha=1.702, limit=7.0, is_transposed=False,
+             interleaved=False, implementation="pallas"):
+    check_array("hidden_states", hidden_states, dtypes=pallas.DTYPES, ndim=2)
+    check_array("top_k_index", top_k_index, dtypes=("int32", "int64"), ndim=2)
+    check_array("top_k_weights", top_k_weights, dtypes=pallas.DTYPES, ndim=2)
+    check_array("gate_up_proj", gate_up_proj, dtypes=pallas.DTYPES, ndim=3)
+    check_array("down_proj", down_proj, dtypes=(dtype_name(gate_up_proj),), ndim=3)
+    if activation not in pallas.ACTIVATIONS[1:]:
+        raise ValueError(f"activation must be one of {pallas.ACTIVATIONS[1:]}, got {activation!r}")
+    if implementation not in ("pallas", "tokamax"):
+        raise ValueError(f"implementation must be 'pallas' or 'tokamax', got {implementation!r}")
+    t, h = hidden_states.shape
+    if tuple(top_k_index.shape) != tuple(top_k_weights.shape) or top_k_index.shape[0] != t:
+        raise ValueError(f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} "
+                         f"must both be [num_tokens={t}, top_k]")
+    e = gate_up_proj.shape[0]
+    # [E, 2I, H] / [E, H, I] (transformers' default), or [E, H, 2I] / [E, I, H] when is_transposed
+    gu_in, gu_out = (gate_up_proj.shape[1], gate_up_proj.shape[2]) if is_transposed else \
+        (gate_up_proj.shape[2], gate_up_proj.shape[1])
+    dn_in, dn_out = (down_proj.shape[1], down_proj.shape[2]) if is_transposed else \
+        (down_proj.shape[2], down_proj.shape[1])
+    if gu_in != h or dn_out != h:
+        raise ValueError(f"hidden size mismatch: hidden_states has {h}, gate_up_proj {tuple(gate_up_proj.shape)} "
+                         f"and down_proj {tuple(down_proj.shape)} (is_transposed={is_transposed})")
+    if down_proj.shape[0] != e or gu_out != 2 * dn_in:
+        raise ValueError(f"gate_up_proj {tuple(gate_up_proj.shape)} must hold [gate; up] for the intermediate size "
+                         f"of down_proj {tuple(down_proj.shape)} and the same number of experts")
+    for name, b, width in (("gate_up_bias", gate_up_bias, gu_out), ("down_bias", down_bias, h)):
+        if b is not None:
+            check_array(name, b, dtypes=pallas.DTYPES, ndim=2)
+            if tuple(b.shape) != (e, width):
+                raise ValueError(f"{name} must be [{e}, {width}], got {tuple(b.shape)}")
+    if implementation == "tokamax" and (gate_up_bias is not None or interleaved):
+        raise NotImplementedError("implementation='tokamax' supports concatenated experts without bias only")
+
+
+def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array, gate_up_proj: jax.Array,
+            down_proj: jax.Array, gate_up_bias: jax.Array | None = None, down_bias: jax.Array | None = None,
+            activation: str = "silu", alpha: float = 1.702, limit: float = 7.0, is_transposed: bool = False,
+            interleaved: bool = False, implementation: str = "pallas") -> jax.Array:
+    """The whole experts computation of one MoE layer (see the module docstring), in JAX.
+
+    Mirrors transformers' grouped_mm numerics: the intermediate and the down output are in the
+    weights' dtype, the routing weights multiply in the promoted dtype, top-k sums in f32.
+    """
+    TRACES["experts"] += 1
+    t, h = hidden_states.shape
+    k = top_k_index.shape[1]
+    e = gate_up_proj.shape[0]
+    wdt = gate_up_proj.dtype
+    ids = top_k_index.reshape(-1).astype(jnp.int32)
+    key = jnp.where((ids >= 0) & (ids < e), ids, e)  # sentinels (and padding) sort past every group
+    order = jnp.argsort(key, stable=True)
+    group_sizes = jnp.bincount(key, length=e + 1)[:e].astype(jnp.int32)
+    x = hidden_states.astype(wdt)[order // k]
+    transposed = not is_transposed  # transformers' [E, out, in] is our rhs_transposed layout
+    if implementation == "tokamax":
+        from . import tokamax_anchor
+
+        hh = tokamax_anchor.ragged_dot(x, gate_up_proj, group_sizes, rhs_transposed=transposed, out_dtype=jnp.float32)
+        gate, up = jnp.split(hh, 2, axis=1)
+        inter = pallas._activate(gate, up, activation, alpha, limit).astype(wdt)
+        y = tokamax_anchor.ragged_dot(inter, down_proj, group_sizes, rhs_transposed=transposed, out_dtype=wdt)
+        valid = (jnp.arange(x.shape[0]) < group_sizes.sum())[:, None]
+        y = jnp.where(valid, y, 0)  # tokamax leaves rows past sum(group_sizes) uninitialised
+    elif not interleaved and pallas.fused_moe_tiling(x.shape[0], h, down_proj.shape[2] if transposed else down_proj.shape[1],
+                                 in_dtype=wdt, out_dtype=wdt, transposed=transposed, interleaved=interleaved):
+        # the whole expert MLP in one kernel: the intermediate never leaves VMEM. (GPT-OSS's
+        # interleaved layout takes the two-kernel path: XLA:CPU's interpreter rejects one of its
+        # bf16 dots inside this kernel, "DotThunk ... BF16 x BF16 = F32", so it is not verified.)
+        down, down_t = down_proj, transposed
+        if transposed and down_proj.shape[2] % 128 and h % 128 == 0:
+            # TPU's default layout of [E, H, I] with I off the 128-lane grid is minor-to-major
+            # {1,2,0}, i.e. physically [E, I, H]: take that view (a layout bitcast, no copy) rather
+            # than have XLA relayout the whole weight for the kernel (Gemma-4: I = 704).
+            down, down_t = jnp.swapaxes(down_proj, 1, 2), False
+        y = pallas.fused_moe(x, gate_up_proj, down, group_sizes, transposed=transposed, activation=activation,
+                             interleaved=interleaved, alpha=alpha, limit=limit, gate_up_bias=gate_up_bias,
+                             down_bias=down_bias, out_dtype=wdt, down_transposed=down_t)
+    else:  # experts too large for VMEM whole (e.g. GPT-OSS-20B on TPU7x): two grouped matmuls
+        inter = pallas.gmm(x, gate_up_proj, group_sizes, transposed=transposed, activation=activation,
+                           interleaved=interleaved, alpha=alpha, limit=limit, bias=gate_up_bias, out_dtype=wdt)
+        y = pallas.gmm(inter, down_proj, group_sizes, transposed=transposed, bias=down_bias, out_dtype=wdt)
+    # unsort by gathering each (token, k) row back, weight in the promoted dtype (as grouped_mm),
+    # sum over k in f32: one XLA fusion reading y once, no [S, H] temporary
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    prod = jnp.promote_types(y.dtype, top_k_weights.dtype)
+    rows = y[inverse].reshape(t, k, h).astype(prod)
+    out = (rows * top_k_weights[:, :, None].astype(prod)).astype(jnp.float32).sum(axis=1)
+    return out.astype(hidden_states.dtype)
+
+
+def _fake(hidden_states, *args, **kwargs):
+    return torch.empty_like(hidden_states)
+
+
+experts_op = jax_op(add_op_namespace_prefix("experts"), experts, fake=_fake, validate=validate)
+
+
+# --------------------------------------------------------------------------- transformers' side
+
+def activation_of(module) -> tuple[str, float, float, bool]:
+    """(activation, alpha, limit, interleaved) of a transformers experts module, or NotImplementedError."""
+    name = type(module).__name__
+    if getattr(module, "has_post_expert_norm", False):
+        raise NotImplementedError(f"{name}: experts with a post-expert norm are not supported by ragged-dot-tpu")
+    if not getattr(module, "has_gate", True):
+        raise NotImplementedError(f"{name}: ungated experts (up_proj only) are not supported by ragged-dot-tpu")
+    interleaved = not getattr(module, "is_concatenated", True)
+    gate_fn = getattr(type(module), "_apply_gate", None)
+    default_gate = getattr(gate_fn, "__name__", "") == "_default_apply_gate"
+    if hasattr(module, "alpha") and hasattr(module, "limit") and not default_gate:
+        # GPT-OSS: clamp gate above and up both ways, (up + 1) * gate * sigmoid(alpha * gate)
+        if "GptOss" not in name and "gpt_oss" not in type(module).__module__:
+            raise NotImplementedError(f"{name}: a custom _apply_gate with alpha/limit that is not GPT-OSS's")
+        return "swiglu_oai", float(module.alpha), float(module.limit), interleaved
+    if not default_gate:
+        raise NotImplementedError(f"{name}: a custom _apply_gate is not supported by ragged-dot-tpu "
+                                  "(supported: act_fn(gate) * up with SiLU or GELU-tanh, and GPT-OSS's swiglu)")
+    if interleaved:
+        raise NotImplementedError(f"{name}: interleaved gate/up with the default gate is not supported")
+    act = getattr(module, "act_fn", None)
+    cls = type(act).__name__
+    if cls in ("SiLUActivation", "SiLU"):
+        return "silu", 0.0, 0.0, False
+    if cls in ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "FastGELUActivation") or (
+            cls == "GELU" and getattr(act, "approximate", "none") == "tanh"):
+        return "gelu_tanh", 0.0, 0.0, False
+    hidden_act = getattr(getattr(module, "config", None), "hidden_act", None)
+    raise NotImplementedError(
+        f"{name}: activation {cls} (config.hidden_act={hidden_act!r}) is not supported by ragged-dot-tpu; "
+        "supported: SiLU ('silu'/'swish'), GELU-tanh ('gelu_pytorch_tanh'/'gelu_new'/'gelu_fast'), GPT-OSS swiglu")
+
+
+def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor, implementation: str = "pallas") -> torch.Tensor:
+    """transformers' experts function (same contract as grouped_mm_experts_forward), one op call."""
+    activation, alpha, limit, interleaved = activation_of(self)
+    num_experts = self.gate_up_proj.shape[0]
+    if top_k_index.device.type == "cpu" and top_k_index.numel():  # host values: check them (no sync)
+        lo, hi = int(top_k_index.min()), int(top_k_index.max())
+        if lo < 0 or (hi >= num_experts and not getattr(self, "_is_expert_parallel", False)):
+            raise ValueError(f"top_k_index holds expert ids in [{lo}, {hi}] but there are {num_experts} experts "
+                             "(ids >= num_experts are only allowed as expert-parallel sentinels)")
+    t = hidden_states.shape[0]
+    pad = bucket(t) - t
+    if pad:  # padding tokens route to no expert: no weights fetched, no MXU work, zero output
+        hidden_states = torch.nn.functional.pad(hidden_states, (0, 0, 0, pad))
+        top_k_index = torch.nn.functional.pad(top_k_index, (0, 0, 0, pad), value=num_experts)
+        top_k_weights = torch.nn.functional.pad(top_k_weights, (0, 0, 0, pad))
+    has_bias = getattr(self, "has_bias", False)
+    out = experts_op(
+        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+        self.gate_up_proj_bias if has_bias else None, self.down_proj_bias if has_bias else None,
+        activation, alpha, limit, bool(getattr(self, "is_transposed", False)), interleaved, implementation)
+    return out[:t] if pad else out
+
+
+# --------------------------------------------------------------------------- expert parallelism (JAX)
+
+def experts_sharded(mesh, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, *,
+                    axis: str = "ep", **kwargs):
+    """Expert parallelism: experts split over mesh axis ``axis``, tokens replicated.
+
+    Each shard turns the ids of other shards' experts into its local sentinel (never computed,
+    zero contribution), runs the one-op experts computation on its local experts, and the partial
+    outputs are summed over the axis (psum). ``kwargs`` go to ``experts`` (activation, ...).
+    """
+    from jax.sharding import PartitionSpec as P
+
+    def local(x, idx, w, gu, dn):
+        e_local = gu.shape[0]
+        lo = jax.lax.axis_index(axis) * e_local
+        mine = (idx >= lo) & (idx < lo + e_local)
+        local_idx = jnp.where(mine, idx - lo, e_local)
+        local_w = jnp.where(mine, w, jnp.zeros_like(w))
+        out = experts(x, local_idx, local_w, gu, dn, **kwargs)
+        return jax.lax.psum(out.astype(jnp.float32), axis).astype(x.dtype)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(), P(axis), P(axis)), out_specs=P(),
+                         check_vma=False)(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)

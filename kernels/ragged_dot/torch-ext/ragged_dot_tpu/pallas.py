@@ -1,0 +1,626 @@
+"""Grouped matmul for TPU in Pallas: ``ragged_dot`` (jax.lax.ragged_dot semantics) and its backward.
+
+Design (weights streamed once):
+
+* ``gmm``: grid ``(n_tiles, items)``. An *item* is one (group, m-tile) pair, in row order; empty
+  groups have no item. The contraction is never split (a block holds all of k), so the weight block
+  of an item is ``rhs[group, :, n_tile]``: consecutive items of the same group keep the same block
+  index and Pallas does not fetch it again. Each active expert's weights therefore cross HBM
+  once per n tile (once overall when a whole [k, n] slab fits VMEM, the common case), an empty
+  group costs no DMA and no MXU work, and the lhs tile stays resident while the groups sharing
+  it are visited. The output block (tm, tn) also stays resident across the items of one m-tile;
+  each item writes only its own rows. Tiles wholly past ``sum(group_sizes)`` get one "tail" item
+  that writes zeros (fetch indices repeat the previous item's, so a tail item moves no input).
+  The number of items is a traced value: the grid is dynamic, with no padding steps.
+* ``tgmm`` (d/drhs): grid ``(k_tiles, n_tiles, items)`` with items per group (an empty group gets
+  one item that writes its zero gradient without fetching anything) and an f32 accumulator.
+* Group metadata is computed on device from ``group_sizes`` and scalar-prefetched into SMEM, so
+  everything works under jit with traced group sizes and needs no host round trip.
+* Optional fused epilogues for MoE: per-group bias, and the gated activations of the first
+  expert matmul (gate and up are two blocks of the same weight array, so no copy is made).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from ._bridge import check_array, dtype_name
+
+DTYPES = ("float32", "bfloat16")
+ACTIVATIONS = ("none", "silu", "gelu_tanh", "swiglu_oai")
+
+
+# --------------------------------------------------------------------------- chips and tiling
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+    name: str
+    peak_flops: float  # bf16 MXU FLOP/s per chip
+    hbm_bandwidth: float  # bytes/s
+    vmem_bytes: int  # per TensorCore
+    step_overhead_s: float = 0.35e-6
+
+
+_MiB = 1 << 20
+CHIPS = {
+    "v5e": Chip("v5e", 197e12, 819e9, 128 * _MiB),
+    "v6e": Chip("v6e", 918e12, 1640e9, 128 * _MiB),
+    "tpu7x": Chip("tpu7x", 2307e12, 7.4e12, 64 * _MiB),
+}
+
+
+def current_chip() -> str | None:
+    """The TPU generation of the default device; None off TPU (interpret mode, or compiling ahead
+    of time for some TPU from a CPU host): tiles then fit every generation's VMEM."""
+    try:
+        kind = jax.devices()[0].device_kind.lower()
+    except Exception:  # noqa: BLE001 - no backend at all
+        return None
+    if "tpu" not in kind and "v5" not in kind and "v6" not in kind and "7" not in kind:
+        return None
+    if "v5 lite" in kind or "v5e" in kind:
+        return "v5e"
+    if "7" in kind:
+        return "tpu7x"
+    return "v6e"
+
+
+def _chip(name: str | None) -> Chip:
+    """Figures for tiling: the named (or current) chip; off TPU, v6e's speeds with the smallest
+    VMEM of all generations, so the tiles compile everywhere."""
+    name = name or current_chip()
+    if name:
+        return CHIPS[name]
+    return dataclasses.replace(CHIPS["v6e"], vmem_bytes=min(c.vmem_bytes for c in CHIPS.values()))
+
+
+def _vmem_budget(chip: Chip) -> int:
+    """VMEM the pipeline may use: most of a core's VMEM, leaving room for Mosaic's own scratch."""
+    return int(chip.vmem_bytes * 0.45)
+
+
+def _sublanes(dtype) -> int:
+    return 8 * 4 // jnp.dtype(dtype).itemsize  # 8 rows for 32-bit, 16 for bf16
+
+
+def _round_up(x: int, r: int) -> int:
+    return -(-x // r) * r
+
+
+def gmm_vmem_bytes(tm: int, tn: int, k: int, in_bytes: int, out_bytes: int, n_weights: int = 1) -> int:
+    """VMEM a gmm step needs: double-buffered lhs, weight and output blocks plus f32 temporaries."""
+    return (2 * tm * k * in_bytes + 2 * n_weights * k * tn * in_bytes + 2 * tm * tn * out_bytes
+            + (n_weights + 1) * tm * tn * 4 + 4 * n_weights * tn * 4)
+
+
+def _tn_candidates(n: int, lane_dim: bool, divisors_only: bool = True) -> list[int]:
+    """Block widths for a dimension of size n: n itself, then multiples of 128 below it (dividing
+    n when ``divisors_only``; otherwise the last block overhangs and its extra columns are dropped)."""
+    del lane_dim  # 128 suits both the lane (multiple of 128) and the sublane (multiple of 8) rule
+    return [n] + [t for t in range(_round_up(n, 128) - 128, 0, -128) if not divisors_only or n % t == 0]
+
+
+def expected_active_groups(m: int, g: int) -> float:
+    """Groups hit when m rows pick groups uniformly (MoE routing): sizes the tile model."""
+    return g * (1.0 - (1.0 - 1.0 / g) ** m) if g else 0.0
+
+
+def choose_gmm_tiling(m: int, k: int, n: int, g: int, *, in_dtype, out_dtype, chip: str | None = None,
+                      n_weights: int = 1, lane_n: bool = True, divisors_only: bool = True) -> tuple[int, int]:
+    """(tm, tn) minimising a roofline model of the kernel on ``chip`` (default: the current one).
+
+    tn: the widest block whose double-buffered weight slab fits VMEM (all of n when possible, so
+    each expert's weights are read once and the lhs once). tm: trades wasted MXU rows (an item
+    computes tm rows however few belong to its group) against grid steps (each costs ~0.35 us).
+    """
+    spec = _chip(chip)
+    inb, outb = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
+    sub = _sublanes(in_dtype)
+    budget = _vmem_budget(spec)
+    ga = max(expected_active_groups(m, g), 1.0)
+    tms = [t for t in (8, 16, 32, 64, 128, 256, 512) if t % sub == 0]
+    tms = [t for t in tms if t <= max(_round_up(m, sub), sub)] or [sub]
+    best = None
+    for tn in _tn_candidates(n, lane_n, divisors_only):
+        tiles_n = -(-n // tn)
+        for tm in tms:
+            if gmm_vmem_bytes(tm, tn, k, inb, outb, n_weights) > budget:
+                continue
+            items = ga + -(-m // tm) - 1
+            steps = tiles_n * items
+            flops = 2.0 * steps * tm * k * tn * n_weights
+            hbm = ga * k * n * n_weights * inb + tiles_n * m * k * inb + m * n * outb
+            t = max(hbm / spec.hbm_bandwidth, flops / spec.peak_flops) + steps * spec.step_overhead_s
+            if best is None or t < best[0] * 0.98:  # ascending tm: a bigger one must win clearly
+                best = (t, tm, tn)
+        if best is not None:
+            break  # the widest tn that fits wins: narrower ones only re-read the lhs
+    if best is None:
+        raise ValueError(f"no (tm, tn) tiling of a [{m}, {k}] x [{k}, {n}] grouped matmul fits in "
+                         f"{spec.name} VMEM ({budget / _MiB:.0f} MiB budget); k={k} is too large")
+    return best[1], best[2]
+
+
+def choose_tgmm_tiling(m: int, k: int, n: int, *, in_dtype, out_dtype, chip: str | None = None) -> tuple[int, int, int]:
+    """(tm, tk, tn) for the weight gradient: big k/n blocks (each re-reads lhs or dout), tm 256-512."""
+    spec = _chip(chip)
+    inb = jnp.dtype(in_dtype).itemsize
+    sub = _sublanes(in_dtype)
+    budget = _vmem_budget(spec) // 2
+    tm = min(512, max(_round_up(m, sub), sub))
+    for tk in _tn_candidates(k, True)[:6] + [k]:
+        for tn in _tn_candidates(n, True)[:6] + [n]:
+            need = 2 * tm * (tk + tn) * inb + 2 * tk * tn * 4 + tk * tn * 4 + 2 * tm * (tk + tn) * 4
+            if need <= budget:
+                return tm, tk, tn
+    return tm, min(k, 512), min(n, 512)
+
+
+# --------------------------------------------------------------------------- group metadata
+
+def group_metadata(group_sizes: jax.Array, m: int, tm: int, *, visit_empty: bool, tail: bool):
+    """Work items for a grouped matmul over m rows in tiles of tm, computed on device.
+
+    Returns (offsets[g+1], item_group, item_tile, fetch_group, fetch_tile, num_items) where item
+    arrays have a static length. ``item_group == g`` marks a tail item (a tile wholly past
+    ``sum(group_sizes)``, ``tail=True``). With ``visit_empty`` every empty group gets one item.
+    ``fetch_*`` are the input block indices: those of the latest item that needs data (non-empty
+    group), so empty and tail items trigger no DMA. Negative sizes count as 0 and the sizes are
+    clipped so their sum never passes m: no index can leave the arrays, whatever the values.
+    """
+    g = group_sizes.shape[0]
+    tiles = -(-m // tm)
+    gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(gs), m).astype(jnp.int32)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+    nonempty = ends > starts
+    first_tile = jnp.minimum(starts // tm, tiles - 1)
+    last_tile = (jnp.maximum(ends, 1) - 1) // tm
+    count = jnp.where(nonempty, last_tile - first_tile + 1, 1 if visit_empty else 0)
+    csum = jnp.cumsum(count)
+    real = csum[-1]
+    used_tiles = (ends[-1] + tm - 1) // tm
+    num_items = real + (tiles - used_tiles if tail else 0)
+
+    size = tiles + g  # static bound: every group boundary adds at most one item
+    idx = jnp.arange(size, dtype=jnp.int32)
+    grp = jnp.minimum(jnp.searchsorted(csum, idx, side="right"), g).astype(jnp.int32)
+    grp_c = jnp.minimum(grp, g - 1)
+    is_real = idx < real
+    tile = jnp.where(is_real, first_tile[grp_c] + idx - (csum - count)[grp_c], used_tiles + idx - real)
+    last = jnp.maximum(num_items - 1, 0)  # past the end (never run): repeat the last item
+    tile = jnp.minimum(jnp.where(idx < num_items, tile, tile[last]), tiles - 1).astype(jnp.int32)
+    item_group = jnp.where(is_real, grp, g).astype(jnp.int32)
+    has_data = is_real & nonempty[grp_c]
+    fetch_group = jnp.maximum(lax.cummax(jnp.where(has_data, grp_c, -1)), 0).astype(jnp.int32)
+    fetch_tile = jnp.maximum(lax.cummax(jnp.where(has_data, tile, -1)), 0).astype(jnp.int32)
+    return offsets, item_group, tile, fetch_group, fetch_tile, num_items.astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------- epilogues
+
+def _activate(gate, up, activation: str, alpha: float, limit: float):
+    if activation == "silu":
+        return gate * jax.nn.sigmoid(gate) * up
+    if activation == "gelu_tanh":
+        return jax.nn.gelu(gate, approximate=True) * up
+    if activation == "swiglu_oai":  # GPT-OSS: clamped gate and up, (up + 1) * gate * sigmoid(alpha * gate)
+        gate = jnp.minimum(gate, limit)
+        up = jnp.clip(up, -limit, limit)
+        return (up + 1.0) * gate * jax.nn.sigmoid(alpha * gate)
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+# --------------------------------------------------------------------------- gmm kernel
+
+def _deinterleave(y):
+    """(tm, 2t) with gate/up in even/odd lanes -> two (tm, t). Mosaic has no lane-strided loads,
+    so transpose (lanes become sublanes), split sublane pairs, transpose back (XLU work only)."""
+    pairs = y.T.reshape(y.shape[1] // 2, 2, y.shape[0])
+    return pairs[:, 0, :].T, pairs[:, 1, :].T
+
+
+def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
+                tm, num_groups, transposed, activation, interleaved, alpha, limit, has_bias):
+    del fetch_group, fetch_tile  # index maps only
+    n_w = 2 if activation != "none" and not interleaved else 1
+    lhs_ref, w_refs = refs[0], refs[1:1 + n_w]
+    b_refs = refs[1 + n_w:1 + 2 * n_w] if has_bias else ()
+    out_ref = refs[-1]
+    i = pl.program_id(1)
+    grp, tile = item_group[i], item_tile[i]
+    first = jnp.logical_or(i == 0, item_tile[jnp.maximum(i - 1, 0)] != tile)
+
+    @pl.when(grp < num_groups)
+    def _compute():
+        x = lhs_ref[...]
+        dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
+        ys = [lax.dot_general(x, w[...], dims, preferred_element_type=jnp.float32) for w in w_refs]
+        if has_bias:
+            ys = [y + b[...].astype(jnp.float32) for y, b in zip(ys, b_refs)]
+        if interleaved:
+            ys = _deinterleave(ys[0])
+        y = ys[0] if activation == "none" else _activate(ys[0], ys[1], activation, alpha, limit)
+        rows = tile * tm + lax.broadcasted_iota(jnp.int32, y.shape, 0)
+        mine = jnp.logical_and(rows >= offsets[grp], rows < offsets[grp + 1])
+        keep = jnp.where(first, jnp.zeros(out_ref.shape, out_ref.dtype), out_ref[...])
+        out_ref[...] = jnp.where(mine, y.astype(out_ref.dtype), keep)
+
+    @pl.when(jnp.logical_and(grp >= num_groups, first))
+    def _tail():  # a tile past sum(group_sizes): ragged_dot defines these rows as zero
+        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+
+def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: int | None = None,
+        tn: int | None = None, activation: str = "none", interleaved: bool = False, alpha: float = 1.702,
+        limit: float = 7.0, bias=None, chip: str | None = None, vmem_limit_bytes: int | None = None):
+    """out[rows of group i] = epilogue(lhs[rows] @ rhs[i]); rows past sum(group_sizes) are 0.
+
+    rhs is [g, k, n], or [g, n, k] with ``transposed`` (transformers' layout, used as is). With a
+    gated ``activation`` the weight's n holds [gate; up] halves (or, ``interleaved``, gate and up in
+    alternate columns, GPT-OSS) and the output is n/2 wide: act(lhs @ gate) * (lhs @ up).
+    ``bias`` [g, n] is added to the f32 accumulator first.
+    No validation here: ``ragged_dot`` and the experts op validate their inputs.
+    """
+    m, k = lhs.shape
+    g = rhs.shape[0]
+    n_full = rhs.shape[1] if transposed else rhs.shape[2]
+    gated = activation != "none"
+    n_w = 2 if gated and not interleaved else 1  # weight blocks per step
+    n = n_full // 2 if gated else n_full
+    out_dtype = jnp.dtype(out_dtype or lhs.dtype)
+    if tm is None or tn is None:
+        ctm, ctn = choose_gmm_tiling(m, k, n, g, in_dtype=lhs.dtype, out_dtype=out_dtype, chip=chip,
+                                     n_weights=3 if interleaved else 2 if gated else 1, lane_n=not transposed,
+                                     divisors_only=n_w == 2)
+        tm, tn = tm or ctm, tn or ctn
+        if n_w == 2 and n % tn:
+            tn = n
+    if n_w == 2 and n % tn:  # the up block sits n/tn blocks after the gate block
+        raise ValueError(f"a fused [gate; up] activation needs tn to divide the half width n/2={n}, got tn={tn}")
+    tiles_n = -(-n // tn)
+    up_off = n // tn if n_w == 2 else 0
+    wn = 2 * tn if interleaved else tn  # weight columns per block
+    offsets, item_group, item_tile, fetch_group, fetch_tile, num_items = group_metadata(
+        group_sizes, m, tm, visit_empty=False, tail=True)
+
+    def lhs_map(j, i, off, ig, it, fg, ft):
+        return ft[i], 0
+
+    def w_map(shift):
+        if transposed:
+            return lambda j, i, off, ig, it, fg, ft: (fg[i], j + shift, 0)
+        return lambda j, i, off, ig, it, fg, ft: (fg[i], 0, j + shift)
+
+    def b_map(shift):
+        return lambda j, i, off, ig, it, fg, ft: (fg[i], 0, j + shift)
+
+    w_block = (None, wn, k) if transposed else (None, k, wn)
+    in_specs = [pl.BlockSpec((tm, k), lhs_map)]
+    in_specs += [pl.BlockSpec(w_block, w_map(s * up_off)) for s in range(n_w)]
+    operands = [lhs] + [rhs] * n_w
+    if bias is not None:
+        in_specs += [pl.BlockSpec((None, 1, wn), b_map(s * up_off)) for s in range(n_w)]
+        operands += [bias.reshape(g, 1, n_full)] * n_w
+    out_spec = pl.BlockSpec((tm, tn), lambda j, i, off, ig, it, fg, ft: (it[i], j))
+
+    inb, outb = lhs.dtype.itemsize, out_dtype.itemsize
+    if vmem_limit_bytes is None:
+        need = gmm_vmem_bytes(tm, tn, k, inb, outb, 2 if gated else 1) + (4 * tm * wn * 4 if interleaved else 0)
+        vmem_limit_bytes = int(min(max(need * 1.25 + 4 * _MiB, 32 * _MiB), _chip(chip).vmem_bytes * 0.9))
+    kernel = functools.partial(_gmm_kernel, tm=tm, num_groups=g, transposed=transposed, activation=activation,
+                               interleaved=interleaved, alpha=float(alpha), limit=float(limit),
+                               has_bias=bias is not None)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5, grid=(tiles_n, num_items), in_specs=in_specs, out_specs=out_spec),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
+                                             vmem_limit_bytes=vmem_limit_bytes),
+        cost_estimate=pl.CostEstimate(flops=2 * m * k * n_full, transcendentals=0,
+                                      bytes_accessed=g * k * n_full * inb + m * k * inb + m * n * outb),
+        name="ragged_dot_gmm",
+    )(offsets, item_group, item_tile, fetch_group, fetch_tile, *operands)
+
+
+# --------------------------------------------------------------------------- tgmm kernel
+
+def _tgmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, x_ref, y_ref, out_ref, acc_ref, *, tm):
+    del fetch_group, fetch_tile
+    i, last_i = pl.program_id(2), pl.num_programs(2) - 1
+    grp, tile = item_group[i], item_tile[i]
+    first = jnp.logical_or(i == 0, item_group[jnp.maximum(i - 1, 0)] != grp)
+    last = jnp.logical_or(i == last_i, item_group[jnp.minimum(i + 1, last_i)] != grp)
+    start, end = offsets[grp], offsets[grp + 1]
+
+    @pl.when(first)
+    def _zero():
+        acc_ref[...] = jnp.zeros_like(acc_ref)
+
+    @pl.when(end > start)
+    def _accumulate():
+        rows_x = tile * tm + lax.broadcasted_iota(jnp.int32, x_ref.shape, 0)
+        rows_y = tile * tm + lax.broadcasted_iota(jnp.int32, y_ref.shape, 0)
+        x = jnp.where((rows_x >= start) & (rows_x < end), x_ref[...], 0).astype(x_ref.dtype)
+        y = jnp.where((rows_y >= start) & (rows_y < end), y_ref[...], 0).astype(y_ref.dtype)
+        acc_ref[...] += lax.dot_general(x, y, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+
+    @pl.when(last)
+    def _store():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def tgmm(x, y, group_sizes, *, out_dtype=None, tm: int | None = None, tk: int | None = None,
+         tn: int | None = None, chip: str | None = None):
+    """out[i] = x[rows of group i]^T @ y[rows of group i] -> [g, kx, ny]; empty groups give zeros."""
+    m, kx = x.shape
+    ny = y.shape[1]
+    g = group_sizes.shape[0]
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if tm is None or tk is None or tn is None:
+        ctm, ctk, ctn = choose_tgmm_tiling(m, kx, ny, in_dtype=x.dtype, out_dtype=out_dtype, chip=chip)
+        tm, tk, tn = tm or ctm, tk or ctk, tn or ctn
+    offsets, item_group, item_tile, fetch_group, fetch_tile, num_items = group_metadata(
+        group_sizes, m, tm, visit_empty=True, tail=False)
+    spec = _chip(chip)
+    need = 2 * tm * (tk + tn) * x.dtype.itemsize + 3 * tk * tn * 4 + 2 * tm * (tk + tn) * 4
+    return pl.pallas_call(
+        functools.partial(_tgmm_kernel, tm=tm),
+        out_shape=jax.ShapeDtypeStruct((g, kx, ny), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5, grid=(-(-kx // tk), -(-ny // tn), num_items),
+            in_specs=[pl.BlockSpec((tm, tk), lambda a, b, i, off, ig, it, fg, ft: (ft[i], a)),
+                      pl.BlockSpec((tm, tn), lambda a, b, i, off, ig, it, fg, ft: (ft[i], b))],
+            out_specs=pl.BlockSpec((None, tk, tn), lambda a, b, i, off, ig, it, fg, ft: (ig[i], a, b)),
+            scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)]),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=int(min(max(need * 1.25 + 4 * _MiB, 32 * _MiB), spec.vmem_bytes * 0.9))),
+        name="ragged_dot_tgmm",
+    )(offsets, item_group, item_tile, fetch_group, fetch_tile, x, y)
+
+
+# --------------------------------------------------------------------------- validation
+
+def validate(lhs, rhs, group_sizes, rhs_transposed=False, out_dtype="", tile_m=0, tile_n=0):
+    """Clear errors before anything is traced or launched; sizes are checked when on the host."""
+    check_array("lhs", lhs, dtypes=DTYPES, ndim=2)
+    check_array("rhs", rhs, dtypes=DTYPES, ndim=3)
+    check_array("group_sizes", group_sizes, dtypes=("int32", "int64"), ndim=1)
+    if dtype_name(lhs) != dtype_name(rhs):
+        raise TypeError(f"lhs and rhs must have the same dtype, got {dtype_name(lhs)} and {dtype_name(rhs)}")
+    if out_dtype and out_dtype not in DTYPES:
+        raise TypeError(f"out_dtype must be one of {DTYPES} (or '' for lhs's dtype), got {out_dtype!r}")
+    m, k = lhs.shape
+    g = rhs.shape[0]
+    rk = rhs.shape[2] if rhs_transposed else rhs.shape[1]
+    if rk != k:
+        layout = "[g, n, k] (rhs_transposed)" if rhs_transposed else "[g, k, n]"
+        raise ValueError(f"contraction mismatch: lhs is [m, k] = {tuple(lhs.shape)} but rhs {layout} "
+                         f"has k = {rk} (shape {tuple(rhs.shape)})")
+    if group_sizes.shape[0] != g:
+        raise ValueError(f"group_sizes must have one entry per group of rhs ({g}), got {group_sizes.shape[0]}")
+    for name, t, unit in (("tile_m", tile_m, 8), ("tile_n", tile_n, 128)):
+        if t < 0 or (t and t % unit):
+            raise ValueError(f"{name} must be 0 (automatic) or a positive multiple of {unit}, got {t}")
+    sizes = host_values(group_sizes)
+    if sizes is not None:
+        if (sizes < 0).any():
+            raise ValueError(f"group_sizes must be non-negative, got {sizes.tolist()}")
+        if sizes.sum() > m:
+            raise ValueError(f"group_sizes sum to {int(sizes.sum())}, more than the {m} rows of lhs")
+
+
+def host_values(x):
+    """x's values when they are already on the host (CPU torch tensor or CPU jax array), else None.
+
+    Never reads a device array: that would be a host sync on the hot path. Tracers and fake/meta
+    tensors have no values; on device the kernel clamps sizes instead (see group_metadata).
+    """
+    if isinstance(x, jax.core.Tracer):
+        return None
+    device = getattr(x, "device", None)
+    platform = getattr(device, "type", None) or getattr(device, "platform", None)
+    if platform != "cpu":
+        return None
+    try:
+        return np.asarray(x.tolist(), dtype=np.int64)
+    except Exception:  # noqa: BLE001 - FakeTensor and friends carry no data
+        return None
+
+
+# --------------------------------------------------------------------------- ragged_dot with its VJP
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _ragged_dot(lhs, rhs, group_sizes, cfg):
+    transposed, out_dtype, tm, tn = cfg
+    return gmm(lhs, rhs, group_sizes, transposed=transposed, out_dtype=out_dtype, tm=tm or None, tn=tn or None)
+
+
+def _ragged_dot_fwd(lhs, rhs, group_sizes, cfg):
+    return _ragged_dot(lhs, rhs, group_sizes, cfg), (lhs, rhs, group_sizes)
+
+
+def ragged_dot_backward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, dout: jax.Array,
+                        rhs_transposed: bool = False) -> tuple[jax.Array, jax.Array]:
+    """(d lhs, d rhs) of ragged_dot: dlhs = the grouped matmul with rhs transposed (the other
+    layout flag, same array), drhs = tgmm, in rhs's own layout. Runs in the input dtype."""
+    group_sizes = group_sizes.astype(jnp.int32)
+    dout = dout.astype(lhs.dtype)  # backward matmuls run in the input dtype, f32 accumulation
+    dlhs = gmm(dout, rhs, group_sizes, transposed=not rhs_transposed, out_dtype=lhs.dtype)
+    drhs = tgmm(dout, lhs, group_sizes, out_dtype=rhs.dtype) if rhs_transposed else \
+        tgmm(lhs, dout, group_sizes, out_dtype=rhs.dtype)
+    return dlhs, drhs
+
+
+def _ragged_dot_bwd(cfg, res, dout):
+    lhs, rhs, group_sizes = res
+    dlhs, drhs = ragged_dot_backward(lhs, rhs, group_sizes, dout, cfg[0])
+    return dlhs, drhs, np.zeros(group_sizes.shape, jax.dtypes.float0)
+
+
+_ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
+
+
+def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_transposed: bool = False,
+               out_dtype: str = "", tile_m: int = 0, tile_n: int = 0) -> jax.Array:
+    """jax.lax.ragged_dot on TPU: lhs [m, k], rhs [g, k, n] (or [g, n, k] with rhs_transposed),
+    group_sizes [g] int32 -> [m, n] in ``out_dtype`` (default lhs's), f32 accumulation.
+
+    Rows of lhs are consecutive groups; rows past sum(group_sizes) come out zero. Differentiable
+    in lhs and rhs. tile_m / tile_n: 0 picks them per chip and shape (see choose_gmm_tiling).
+    """
+    validate(lhs, rhs, group_sizes, rhs_transposed, out_dtype, tile_m, tile_n)
+    cfg = (bool(rhs_transposed), out_dtype or dtype_name(lhs), int(tile_m), int(tile_n))
+    return _ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), cfg)
+
+
+def reference(lhs, rhs, group_sizes, rhs_transposed=False, out_dtype=None):
+    """Plain JAX, obviously right: each group's rows times its matrix, f32, everything else 0."""
+    w = jnp.swapaxes(rhs, 1, 2) if rhs_transposed else rhs
+    ends = jnp.cumsum(group_sizes)
+    rows = jnp.arange(lhs.shape[0])[:, None]
+    out = jnp.zeros((lhs.shape[0], w.shape[2]), jnp.float32)
+    for i in range(w.shape[0]):
+        mine = (rows >= ends[i] - group_sizes[i]) & (rows < ends[i])
+        y = jnp.dot(lhs.astype(jnp.float32), w[i].astype(jnp.float32), precision=lax.Precision.HIGHEST)
+        out = jnp.where(mine, y, out)
+    return out.astype(out_dtype or lhs.dtype)
+
+
+# --------------------------------------------------------------------------- fused expert MLP
+
+def _moe_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, x_ref, *refs, tm, chunk, num_groups,
+                transposed, down_transposed, activation, interleaved, alpha, limit, has_bias):
+    del fetch_group, fetch_tile
+    n_w = 1 if interleaved else 2
+    w_refs, d_ref = refs[:n_w], refs[n_w]
+    b_refs, db_ref = (refs[n_w + 1:2 * n_w + 1], refs[2 * n_w + 1]) if has_bias else ((), None)
+    out_ref = refs[-1]
+    i = pl.program_id(0)
+    grp, tile = item_group[i], item_tile[i]
+    first = jnp.logical_or(i == 0, item_tile[jnp.maximum(i - 1, 0)] != tile)
+    dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
+    ddims = (((1,), (1,)), ((), ())) if down_transposed else (((1,), (0,)), ((), ()))
+
+    @pl.when(grp < num_groups)
+    def _compute():
+        start, end = offsets[grp], offsets[grp + 1]
+        for c in range(tm // chunk):  # MXU work only for row chunks holding rows of this group
+            lo = tile * tm + c * chunk
+            rows = pl.ds(c * chunk, chunk)
+            hit = jnp.logical_and(lo < end, lo + chunk > start)
+
+            @pl.when(hit)
+            def _chunk():
+                x = x_ref[rows, :]
+                ys = [lax.dot_general(x, w[...], dims, preferred_element_type=jnp.float32) for w in w_refs]
+                if has_bias:
+                    ys = [y + b[...].astype(jnp.float32) for y, b in zip(ys, b_refs)]
+                if interleaved:
+                    ys = _deinterleave(ys[0])
+                h = _activate(ys[0], ys[1], activation, alpha, limit).astype(d_ref.dtype)
+                y = lax.dot_general(h, d_ref[...], ddims, preferred_element_type=jnp.float32)
+                if has_bias:
+                    y = y + db_ref[...].astype(jnp.float32)
+                r = lo + lax.broadcasted_iota(jnp.int32, y.shape, 0)
+                mine = jnp.logical_and(r >= start, r < end)
+                keep = jnp.where(first, jnp.zeros(y.shape, out_ref.dtype), out_ref[rows, :])
+                out_ref[rows, :] = jnp.where(mine, y.astype(out_ref.dtype), keep)
+
+            @pl.when(jnp.logical_and(first, jnp.logical_not(hit)))
+            def _zero_chunk():
+                out_ref[rows, :] = jnp.zeros((chunk, out_ref.shape[1]), out_ref.dtype)
+
+    @pl.when(jnp.logical_and(grp >= num_groups, first))
+    def _tail():
+        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+
+def moe_vmem_bytes(tm, chunk, h, i, in_bytes, out_bytes):
+    return (2 * tm * h * in_bytes + 2 * 3 * h * i * in_bytes + 2 * tm * h * out_bytes
+            + chunk * (2 * i + i + h) * 4 * 2 + 8 * (2 * i + h) * 4)
+
+
+def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True, interleaved=False):
+    """(tm, chunk) for the fused expert MLP, or None when it does not fit (then use two gmm calls):
+    each expert's gate, up and down slabs must sit in VMEM whole, double-buffered."""
+    spec = _chip(chip)
+    sub = _sublanes(in_dtype)
+    if not transposed and not interleaved and i % 128:
+        return None  # [E, H, 2I] with a half width off the lane grid cannot be split in two blocks
+    tm = min(512, _round_up(max(m, 1), sub))
+    chunk = min(tm, 128)
+    budget = int(spec.vmem_bytes * 0.6)  # measured: Gemma-4 26B-A4B experts compile on TPU7x at this budget
+    need = lambda tm: moe_vmem_bytes(tm, chunk, h, i, jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize)  # noqa: E731
+    while tm > chunk and need(tm) > budget:
+        tm //= 2
+    if need(tm) > budget:
+        return None
+    return tm, chunk
+
+
+def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="silu", interleaved=False,
+              alpha=1.702, limit=7.0, gate_up_bias=None, down_bias=None, out_dtype=None, tm=None, chunk=None,
+              chip=None, down_transposed=None):
+    """down(act(x @ gate) * (x @ up)) per group in ONE kernel: the intermediate never leaves VMEM.
+
+    x [m, H] (rows sorted by group), gate_up [g, 2I, H] / down [g, H, I] (``transposed``, the
+    transformers layout) or [g, H, 2I] / [g, I, H]; rows past sum(group_sizes) are zero. One grid
+    step per (group, m-tile) item; each expert's three weight slabs are fetched once.
+    ``down_transposed`` (default: ``transposed``) gives down's layout on its own.
+    """
+    down_transposed = transposed if down_transposed is None else down_transposed
+    m, h = x.shape
+    g = gate_up.shape[0]
+    i = (gate_up.shape[1] if transposed else gate_up.shape[2]) // 2
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if tm is None or chunk is None:
+        tm, chunk = fused_moe_tiling(m, h, i, in_dtype=x.dtype, out_dtype=out_dtype, chip=chip,
+                                     transposed=transposed, interleaved=interleaved)
+    offsets, item_group, item_tile, fetch_group, fetch_tile, num_items = group_metadata(
+        group_sizes, m, tm, visit_empty=False, tail=True)
+    imap = lambda f: (lambda it, off, ig, itl, fg, ft: f(it, fg, ft))  # noqa: E731
+    if interleaved:
+        w_specs = [pl.BlockSpec((None, 2 * i, h) if transposed else (None, h, 2 * i), imap(lambda it, fg, ft: (fg[it], 0, 0)))]
+    else:
+        blk = (None, i, h) if transposed else (None, h, i)
+        w_specs = [pl.BlockSpec(blk, imap(lambda it, fg, ft, s=s: (fg[it], s, 0) if transposed else (fg[it], 0, s)))
+                   for s in range(2)]
+    d_spec = pl.BlockSpec((None, h, i) if down_transposed else (None, i, h), imap(lambda it, fg, ft: (fg[it], 0, 0)))
+    in_specs = [pl.BlockSpec((tm, h), imap(lambda it, fg, ft: (ft[it], 0)))] + w_specs + [d_spec]
+    operands = [x] + [gate_up] * len(w_specs) + [down]
+    if gate_up_bias is not None:
+        bw = 2 * i if interleaved else i
+        in_specs += [pl.BlockSpec((None, 1, bw), imap(lambda it, fg, ft, s=s: (fg[it], 0, s))) for s in range(len(w_specs))]
+        in_specs += [pl.BlockSpec((None, 1, h), imap(lambda it, fg, ft: (fg[it], 0, 0)))]
+        operands += [gate_up_bias.reshape(g, 1, 2 * i)] * len(w_specs) + [down_bias.reshape(g, 1, h)]
+    need = moe_vmem_bytes(tm, chunk, h, i, x.dtype.itemsize, out_dtype.itemsize)
+    kernel = functools.partial(_moe_kernel, tm=tm, chunk=chunk, num_groups=g, transposed=transposed,
+                               down_transposed=down_transposed,
+                               activation=activation, interleaved=interleaved, alpha=float(alpha),
+                               limit=float(limit), has_bias=gate_up_bias is not None)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((m, h), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=5, grid=(num_items,), in_specs=in_specs,
+            out_specs=pl.BlockSpec((tm, h), lambda it, off, ig, itl, fg, ft: (itl[it], 0))),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",),
+            vmem_limit_bytes=int(min(max(need * 1.25 + 4 * _MiB, 32 * _MiB), _chip(chip).vmem_bytes * 0.9))),
+        cost_estimate=pl.CostEstimate(flops=2 * m * h * 3 * i, transcendentals=m * i,
+                                      bytes_accessed=g * 3 * h * i * x.dtype.itemsize + m * h * (x.dtype.itemsize + out_dtype.itemsize)),
+        name="ragged_dot_fused_moe",
+    )(offsets, item_group, item_tile, fetch_group, fetch_tile, *operands)
