@@ -10,6 +10,7 @@ Builds are deterministic: same sources, same bytes.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import shutil
@@ -74,9 +75,11 @@ def variant_files(spec: KernelSpec, variant: str) -> dict[str, bytes]:
         "license": spec.license,
         "python-depends": [],  # jax/tokamax are imported, not declared: `kernels` has no TPU allow-list
         "backend": {"type": backend},
+        # kernels' own digest format (what `Digest.hash_variant` computes and `kernels verify-signature`
+        # checks): base64 sha256 of every file but metadata.json. The loader refuses a download that deviates.
         "digest": {
             "algorithm": "sha256",
-            "files": {rel: hashlib.sha256(data).hexdigest() for rel, data in sorted(files.items())},
+            "files": {rel: base64.b64encode(hashlib.sha256(data).digest()).decode() for rel, data in sorted(files.items())},
         },
     }
     if spec.upstream:

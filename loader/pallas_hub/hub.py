@@ -1,0 +1,201 @@
+"""Publishing built kernels: to a Hugging Face Hub repository of type "kernel", or to a local hub.
+
+Both hold the same repository layout, the one `kernels` resolves (and kernel-builder uploads):
+branch ``v<version>`` has ``build/<variant>/**`` and ``benchmarks/benchmark*.py``; ``main`` has the
+card (``CARD.md``) as ``README.md``.
+
+The local hub is a Hugging Face cache folder (``kernels--<org>--<name>/refs/v<N>`` holding a commit
+id, ``snapshots/<commit>/...`` holding the files), so ``kernels.get_kernel(repo, version=N)``
+resolves it offline with ``HF_HUB_CACHE`` pointed at it. Local commits are content hashes: publishing
+the same build twice changes nothing, and an older commit stays loadable for lock files that pin it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .manifest import KernelSpec
+
+# PALLAS_HUB_LOCAL overrides where the local hub lives.
+DEFAULT_LOCAL_HUB = Path(os.environ.get("PALLAS_HUB_LOCAL") or Path.home() / ".cache" / "pallas-hub" / "hub")
+REPO_TYPE = "kernel"
+MANAGED = ("build/", "benchmarks/")  # what a publish owns on the version branch (stale files there are removed)
+
+
+def repo_folder(repo_id: str) -> str:
+    """The cache folder name huggingface_hub uses for a kernel repository."""
+    return "kernels--" + repo_id.replace("/", "--")
+
+
+def version_files(spec: KernelSpec, build_dir: Path | None = None) -> dict[str, bytes]:
+    """What branch ``v<version>`` holds: every built variant and the benchmark scripts."""
+    build_dir = Path(build_dir) if build_dir is not None else spec.path / "build"
+    variants = sorted(p for p in build_dir.iterdir() if (p / "metadata.json").is_file()) if build_dir.is_dir() else []
+    if not variants:
+        raise FileNotFoundError(f"{spec.name}: nothing built in {build_dir}; run `pallas-hub build {spec.key}` first")
+    files = {}
+    for variant in variants:
+        for path in sorted(variant.rglob("*")):
+            rel = path.relative_to(variant)
+            if path.is_file() and "__pycache__" not in rel.parts and path.suffix != ".pyc":
+                files[f"build/{variant.name}/{rel.as_posix()}"] = path.read_bytes()
+    for path in sorted((spec.path / "benchmarks").glob("benchmark*.py")):
+        files[f"benchmarks/{path.name}"] = path.read_bytes()
+    return files
+
+
+def main_files(spec: KernelSpec) -> dict[str, bytes]:
+    card = spec.path / "CARD.md"
+    return {"README.md": card.read_bytes()} if card.is_file() else {}
+
+
+@contextlib.contextmanager
+def file_lock(cache_dir: Path, repo_id: str):
+    """An exclusive lock per repository in ``cache_dir``, held across processes (fcntl)."""
+    locks = Path(cache_dir) / ".locks" / "pallas-hub"
+    locks.mkdir(parents=True, exist_ok=True)
+    with open(locks / f"{repo_folder(repo_id)}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _commit_id(files: dict[str, bytes]) -> str:
+    h = hashlib.sha1(b"pallas-hub local commit\0")
+    for rel, data in sorted(files.items()):
+        h.update(rel.encode() + b"\0" + hashlib.sha256(data).digest())
+    return h.hexdigest()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _holds(folder: Path, files: dict[str, bytes]) -> bool:
+    """True when ``folder`` holds exactly ``files`` (bytecode caches aside)."""
+    if not folder.is_dir():
+        return False
+    present = {p.relative_to(folder).as_posix() for p in folder.rglob("*")
+               if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"}
+    return present == set(files) and all((folder / rel).read_bytes() == data for rel, data in files.items())
+
+
+class LocalHub:
+    """A Hugging Face cache folder used as a hub: publish writes it, fetch reads it offline."""
+
+    def __init__(self, root: Path | str | None = None):
+        self.root = Path(root) if root is not None else DEFAULT_LOCAL_HUB
+
+    def __repr__(self) -> str:
+        return f"local hub {self.root}"
+
+    def repo_dir(self, repo_id: str) -> Path:
+        return self.root / repo_folder(repo_id)
+
+    def versions(self, repo_id: str) -> dict[int, str]:
+        """{version: commit} from ``refs/v<N>``."""
+        refs = self.repo_dir(repo_id) / "refs"
+        out = {}
+        for ref in refs.glob("v*") if refs.is_dir() else []:
+            if ref.name[1:].isdigit():
+                out[int(ref.name[1:])] = ref.read_text().strip()
+        return out
+
+    def repos(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name[len("kernels--"):].replace("--", "/", 1) for p in self.root.glob("kernels--*--*"))
+
+    def snapshot(self, repo_id: str, commit: str) -> Path:
+        return self.repo_dir(repo_id) / "snapshots" / commit
+
+    def _commit(self, repo_id: str, branch: str, files: dict[str, bytes]) -> tuple[str, bool]:
+        """Write ``files`` as one commit and point ``refs/<branch>`` at it; returns (commit, changed)."""
+        commit = _commit_id(files)
+        target = self.snapshot(repo_id, commit)
+        if not _holds(target, files):  # content-addressed; a damaged copy is replaced, never trusted
+            target.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
+            try:
+                for rel, data in files.items():
+                    (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+                    (staging / rel).write_bytes(data)
+                if target.exists():
+                    damaged = Path(tempfile.mkdtemp(dir=target.parent, prefix=".damaged-"))
+                    os.rename(target, damaged / "snapshot")
+                    shutil.rmtree(damaged)
+                os.rename(staging, target)  # atomic: a reader sees the whole snapshot or none
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+        ref = self.repo_dir(repo_id) / "refs" / branch
+        changed = not ref.is_file() or ref.read_text().strip() != commit
+        if changed:
+            _write_atomic(ref, commit.encode())
+        return commit, changed
+
+    def publish(self, spec: KernelSpec, build_dir: Path | None = None, repo_id: str | None = None, progress=print) -> str:
+        repo_id = repo_id or spec.repo_id
+        files = version_files(spec, build_dir)
+        with file_lock(self.root, repo_id):
+            commit, changed = self._commit(repo_id, f"v{spec.version}", files)
+            if main := main_files(spec):
+                self._commit(repo_id, "main", main)
+        if progress:
+            state = "published" if changed else "up to date"
+            progress(f"{state}: {repo_id} v{spec.version} commit {commit[:12]} ({len(files)} files) in {self}")
+        return commit
+
+
+def publish_hub(spec: KernelSpec, build_dir: Path | None = None, *, repo_id: str | None = None, api=None,
+                private: bool | None = None, progress=print) -> str:
+    """Upload to a Hub repository of type "kernel" as kernel-builder does; returns the branch's commit.
+
+    Creates the repository and branch ``v<version>`` when missing, commits only files whose bytes
+    differ from the branch (git blob ids compared) and deletes stale files under build/ and
+    benchmarks/, so publishing an unchanged build makes no commit. CARD.md goes to main as README.md.
+    """
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
+    from huggingface_hub.hf_api import RepoFile
+    from huggingface_hub.utils.sha import git_hash
+
+    api = api or HfApi()
+    repo_id = repo_id or spec.repo_id
+    say = progress or (lambda *_: None)
+    say(f"{repo_id}: creating the kernel repository if missing ({api.endpoint})")
+    api.create_repo(repo_id, repo_type=REPO_TYPE, exist_ok=True, private=private)
+
+    def sync(branch: str, files: dict[str, bytes], managed) -> str | None:
+        remote = {e.path: e.blob_id for e in api.list_repo_tree(repo_id, repo_type=REPO_TYPE, revision=branch,
+                                                                 recursive=True) if isinstance(e, RepoFile)}
+        ops = [CommitOperationAdd(rel, data) for rel, data in files.items() if remote.get(rel) != git_hash(data)]
+        ops += [CommitOperationDelete(rel) for rel in sorted(remote) if managed(rel) and rel not in files]
+        if not ops:
+            say(f"{repo_id}@{branch}: up to date ({len(files)} files)")
+            return None
+        say(f"{repo_id}@{branch}: committing {len(ops)} change(s) ({len(files)} files)")
+        info = api.create_commit(repo_id, operations=ops, repo_type=REPO_TYPE, revision=branch,
+                                 commit_message=f"pallas-hub publish {spec.name} v{spec.version}")
+        return info.oid
+
+    branch = f"v{spec.version}"
+    api.create_branch(repo_id, branch=branch, repo_type=REPO_TYPE, exist_ok=True)
+    sync(branch, version_files(spec, build_dir), lambda rel: rel.startswith(MANAGED))
+    if main := main_files(spec):
+        sync("main", main, lambda rel: rel == "README.md")
+    refs = api.list_repo_refs(repo_id, repo_type=REPO_TYPE)
+    commit = next(b.target_commit for b in refs.branches if b.name == branch)
+    say(f"{repo_id}: v{spec.version} is commit {commit}")
+    return commit
