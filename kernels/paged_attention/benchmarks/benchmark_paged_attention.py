@@ -7,6 +7,8 @@ On a CPU host the kernel runs in Pallas interpret mode, so these timings say not
 TorchTPU, time with the device synchronised. Shapes are modest so that the CPU interpreter finishes.
 """
 
+import importlib
+
 import torch
 from kernels.benchmark import Benchmark
 
@@ -51,6 +53,8 @@ class PagedAttentionBenchmark(Benchmark):
     def _run(self):
         self.out = self.kernel.ragged_paged_attention(self.q, self.kp, self.vp, self.kv_lens, self.table, self.cu,
                                                       None, scale=D ** -0.5)
+        # kernels benchmark does not synchronise TPUs: wait for the result (the vendored bridge's helper)
+        importlib.import_module(self.kernel.__name__ + "._bridge").synchronize(self.out)
 
     def _verify(self):
         return _reference(self.q, self.kp, self.vp, self.kv_lens, self.table, self.cu)
