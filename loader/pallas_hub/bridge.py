@@ -114,6 +114,29 @@ def check_devices(tensors: dict[str, Any], *, allow_meta: bool = False) -> str:
     return device[1].type if device else "cpu"
 
 
+def tpu_generation(device: Any = None) -> str | None:
+    """'v5e', 'v6e' or 'tpu7x' for a JAX device (default: JAX's first device), None off TPU.
+
+    Kernels choose tiles per generation with it; off TPU (interpret mode, or compiling ahead of
+    time from a CPU host) they pick tiles that fit every generation.
+    """
+    if device is None:
+        import jax
+
+        try:
+            device = jax.devices()[0]
+        except RuntimeError:  # no JAX backend at all
+            return None
+    kind = str(getattr(device, "device_kind", "")).lower()
+    if "v5 lite" in kind or "v5e" in kind:
+        return "v5e"
+    if "v6" in kind:
+        return "v6e"
+    if "7x" in kind or "v7" in kind:
+        return "tpu7x"
+    return None
+
+
 # --------------------------------------------------------------------------- CPU path
 
 def _interpret_mode():

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from . import timing
-from .bridge import synchronize
+from .bridge import synchronize, tpu_generation
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -21,16 +21,7 @@ import jax.numpy as jnp  # noqa: E402
 MOE_DECODE_BATCHES = (1, 64, 256)
 
 
-def chip_of(device) -> str | None:
-    """'v5e', 'v6e' or 'tpu7x' for a JAX TPU device (by its device_kind), else None."""
-    kind = str(getattr(device, "device_kind", "")).lower()
-    if "v5 lite" in kind or "v5e" in kind:
-        return "v5e"
-    if "v6" in kind:
-        return "v6e"
-    if "7x" in kind or "v7" in kind:
-        return "tpu7x"
-    return None
+chip_of = tpu_generation  # 'v5e', 'v6e' or 'tpu7x' for a JAX TPU device, else None
 
 
 def materialize(args: tuple, seed: int = 0) -> tuple:

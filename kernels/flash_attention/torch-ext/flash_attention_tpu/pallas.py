@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import attention_math as am
-from ._bridge import check_array, dtype_name
+from ._bridge import check_array, dtype_name, tpu_generation
 
 DTYPES = ("float32", "bfloat16")
 HEAD_DIMS = (64, 128, 256)
@@ -56,14 +56,7 @@ CHIP_BLOCKS = {
 
 
 def _chip_from_device() -> str:
-    kind = jax.devices()[0].device_kind.lower()
-    if "v5 lite" in kind or "v5e" in kind:
-        return "v5e"
-    if "v6" in kind:
-        return "v6e"
-    if "7x" in kind or "v7" in kind:
-        return "tpu7x"
-    return ""
+    return tpu_generation() or ""
 
 
 # --------------------------------------------------------------------------- validation

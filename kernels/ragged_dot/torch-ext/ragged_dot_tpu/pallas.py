@@ -33,7 +33,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._bridge import check_array, dtype_name
+from ._bridge import check_array, dtype_name, tpu_generation
 
 DTYPES = ("float32", "bfloat16")
 ACTIVATIONS = ("none", "silu", "gelu_tanh", "swiglu_oai")
@@ -61,17 +61,7 @@ CHIPS = {
 def current_chip() -> str | None:
     """The TPU generation of the default device; None off TPU (interpret mode, or compiling ahead
     of time for some TPU from a CPU host): tiles then fit every generation's VMEM."""
-    try:
-        kind = jax.devices()[0].device_kind.lower()
-    except Exception:  # noqa: BLE001 - no backend at all
-        return None
-    if "tpu" not in kind and "v5" not in kind and "v6" not in kind and "7" not in kind:
-        return None
-    if "v5 lite" in kind or "v5e" in kind:
-        return "v5e"
-    if "7" in kind:
-        return "tpu7x"
-    return "v6e"
+    return tpu_generation()
 
 
 def _chip(name: str | None) -> Chip:
