@@ -16,11 +16,11 @@ ROOT = Path(__file__).resolve().parent
 def load_kernel(tmp_path_factory):
     """load_kernel("ragged_dot" | path, variant="torch-universal") -> the built kernel module.
 
-    Builds with pallas_hub.build (bridge vendored, unique op namespace) into a per-session temp
+    Builds with pallas_hub.hub.build (shared modules vendored, unique op namespace) into a per-session temp
     folder and imports through kernels.get_local_kernel, exactly as a Hub download would be.
     """
-    from pallas_hub import manifest
-    from pallas_hub.build import build_kernel, load_built
+    from pallas_hub.hub import manifest
+    from pallas_hub.hub.build import build_kernel, load_built
 
     cache = {}
 

@@ -1,7 +1,6 @@
 """pallas-hub bench: the runner, its outputs, the TPU timing path (stand-in device and clock), the
 bridge benchmark and the cost model beside XLA:TPU's cost analysis."""
 
-import importlib.util
 import json
 import types
 
@@ -10,8 +9,10 @@ import jax.numpy as jnp
 import pytest
 import torch
 
-from pallas_hub import anchors, bench, bridge, costmodel, timing, tpu_bench
-from pallas_hub.manifest import ROOT
+from pallas_hub.bench import anchors, costmodel, timing, tpu_bench
+from pallas_hub.bench import runner as bench
+from pallas_hub.vendored import _bridge as bridge
+from pallas_hub.hub.manifest import ROOT
 
 TINY = bench.Model("tiny", hidden=256, experts=8, top_k=2, moe_intermediate=128, q_heads=8, kv_heads=1, head_dim=128, short="tiny")
 
@@ -118,10 +119,9 @@ def test_tpu_path_with_stand_in_device_and_clock():
 
 
 def test_bridge_benchmark_zero_copy_and_no_recompiles():
-    spec = importlib.util.spec_from_file_location("bridge_bench", ROOT / "benchmarks" / "bridge.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    result = mod.run(calls=20, warmup=2, progress=lambda *_: None)
+    from pallas_hub.bench import bridge_overhead
+
+    result = bridge_overhead.run(calls=20, warmup=2, progress=lambda *_: None)
     assert len(result["rows"]) == 4 and all(r["input_zero_copy"] for r in result["rows"])
     assert all(r["bridge_median_us"] > 0 and r["raw_jax_median_us"] > 0 for r in result["rows"])
     c = result["compilations"]

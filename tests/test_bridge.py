@@ -1,11 +1,11 @@
-"""The torch <-> JAX bridge (pallas_hub/bridge.py, vendored into every kernel as _bridge.py)."""
+"""The torch <-> JAX bridge (pallas_hub/vendored/_bridge.py, vendored into every kernel as _bridge.py)."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 import torch
 
-from pallas_hub import bridge
+from pallas_hub.vendored import _bridge as bridge
 
 FIXTURE = "tests/fixtures/scale_add"
 

@@ -9,7 +9,8 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_hub import chips, costmodel
+from pallas_hub.bench import costmodel
+from pallas_hub.vendored import _chips as chips
 
 
 # --------------------------------------------------------------------------- small kernels
@@ -225,7 +226,7 @@ def test_bulk_data_may_be_abstract_but_steering_values_not():
 
 def test_tokamax_emit_pipeline_counts_like_megablox():
     """tokamax runs megablox's pipeline by hand (emit_pipeline + DMAs): same traffic, flops and steps."""
-    from pallas_hub import anchors
+    from pallas_hub.bench import anchors
 
     lhs = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
     rhs = jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16)
@@ -241,7 +242,7 @@ def test_tokamax_emit_pipeline_counts_like_megablox():
 
 def test_vmapped_kernel_program_ids_skip_the_batch_axis():
     """splash in GQA form is vmapped over K/V heads; its causal block skipping must still count."""
-    from pallas_hub import anchors
+    from pallas_hub.bench import anchors
 
     q = jax.ShapeDtypeStruct((1, 2, 256, 128), jnp.float32)
     k = jax.ShapeDtypeStruct((1, 2, 256, 128), jnp.float32)
@@ -252,7 +253,7 @@ def test_vmapped_kernel_program_ids_skip_the_batch_axis():
 
 def test_copies_with_run_time_sizes_count_what_is_issued():
     """tokamax's emit_pipeline copies partial edge blocks (k = 200 = 128 + 72) with run-time sizes."""
-    from pallas_hub import anchors
+    from pallas_hub.bench import anchors
 
     lhs = jax.ShapeDtypeStruct((128, 200), jnp.bfloat16)
     rhs = jax.ShapeDtypeStruct((2, 200, 128), jnp.bfloat16)
@@ -318,7 +319,7 @@ def _model_traffic(fn, *args):
 @pytest.mark.strict_interpret
 def test_model_matches_the_copies_the_strict_interpreter_makes(monkeypatch):
     """Independent check: the TPU simulator's own block copies and DMAs, byte for byte."""
-    from pallas_hub import anchors
+    from pallas_hub.bench import anchors
 
     lhs = jnp.ones((512, 256), jnp.float32)
     rhs = jnp.ones((4, 256, 256), jnp.float32)
@@ -333,7 +334,8 @@ def test_model_matches_the_copies_the_strict_interpreter_makes(monkeypatch):
 
 
 def _our_kernel_keys():
-    from pallas_hub import bench, manifest
+    from pallas_hub.bench import runner as bench
+    from pallas_hub.hub import manifest
 
     try:
         present = manifest.load_manifest().kernels
@@ -345,7 +347,7 @@ def _our_kernel_keys():
 @pytest.mark.strict_interpret
 @pytest.mark.parametrize("key", _our_kernel_keys())
 def test_our_kernels_match_the_strict_interpreter(key, monkeypatch, tmp_path):
-    from pallas_hub import bench
+    from pallas_hub.bench import runner as bench
 
     family = bench.OURS[key]
     (impl,) = [i for i in bench.implementations((family,), kernels_dir=tmp_path, progress=lambda *_: None)

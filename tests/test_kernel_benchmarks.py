@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pallas_hub import manifest as mf
-from pallas_hub.build import build_kernel
+from pallas_hub.hub import manifest as mf
+from pallas_hub.hub.build import build_kernel
 
 FIXTURE = mf.ROOT / "tests" / "fixtures" / "scale_add"
 

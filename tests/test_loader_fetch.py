@@ -10,10 +10,10 @@ import torch
 from fakehub import FakeHub
 from doubles import make_kernel
 
-from pallas_hub import build, fetch as fetch_mod, manifest
-from pallas_hub.fetch import (DigestMismatch, Hub, HubError, HubUnreachable, LockMismatch, NoVariant, UntrustedRepo,
+from pallas_hub.hub import build, fetch as fetch_mod, manifest
+from pallas_hub.hub.fetch import (DigestMismatch, Hub, HubError, HubUnreachable, LockMismatch, NoVariant, UntrustedRepo,
                               VersionNotFound, fetch, read_lock, write_lock)
-from pallas_hub.hub import LocalHub, publish_hub
+from pallas_hub.hub.publish import LocalHub, publish_hub
 
 REPO = "pallas-hub-tests/double-tpu"
 OTHER = "pallas-hub-tests/other-tpu"
@@ -160,7 +160,7 @@ def test_torchtpu_host_prefers_the_tpu_variant(hub, monkeypatch):
 
 CHILD = """
 import json, pathlib, sys, time
-from pallas_hub.fetch import Hub, fetch
+from pallas_hub.hub.fetch import Hub, fetch
 go = pathlib.Path(sys.argv[3]).parent / "go"
 (go.parent / ("ready-" + sys.argv[4])).touch()
 while not go.exists():  # start together, so the downloads really overlap
@@ -172,7 +172,7 @@ print(json.dumps([f.commit, f.digest, str(f.path)]))
 
 
 def test_concurrent_fetches_of_one_kernel_do_not_corrupt_the_cache(fake, tmp_path):
-    from pallas_hub.fetch import verify_snapshot
+    from pallas_hub.hub.fetch import verify_snapshot
 
     cache = tmp_path / "cache"
     env = {"PYTHONPATH": str(manifest.ROOT / "loader"), "JAX_PLATFORMS": "cpu", "HOME": str(tmp_path),

@@ -7,9 +7,10 @@ import pytest
 from fakehub import FakeHub
 from doubles import make_kernel
 
-from pallas_hub import build, cli, manifest
-from pallas_hub.fetch import Hub, fetch
-from pallas_hub.hub import LocalHub, publish_hub, version_files
+from pallas_hub import cli
+from pallas_hub.hub import build, manifest
+from pallas_hub.hub.fetch import Hub, fetch
+from pallas_hub.hub.publish import LocalHub, publish_hub, version_files
 
 REPO = "pallas-hub-tests/double-tpu"
 

@@ -10,10 +10,11 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, flash_attention_mask, sdpa_mask
 import transformers.modeling_flash_attention_utils as fa_utils
 
-from pallas_hub import build, demo, load, manifest
-from pallas_hub.fetch import UntrustedRepo
-from pallas_hub.hub import LocalHub
-from pallas_hub.register import RegistrationError, register
+from pallas_hub import demo, load
+from pallas_hub.hub import build, manifest
+from pallas_hub.hub.fetch import UntrustedRepo
+from pallas_hub.hub.publish import LocalHub
+from pallas_hub.hub.register import RegistrationError, register
 
 EXPERTS = type(ALL_EXPERTS_FUNCTIONS)._global_mapping
 ATTENTION = AttentionInterface._global_mapping

@@ -7,7 +7,9 @@ import pytest
 import torch
 from jax.experimental import pallas as pl
 
-from pallas_hub import cli, manifest, matrix
+from pallas_hub import cli
+from pallas_hub.hub import manifest
+from pallas_hub.verify import matrix
 from pallas_hub.verify import compile_for_tpu, interpret, pallas_calls, tpu_devices
 
 FIXTURE = "tests/fixtures/scale_add"
@@ -88,7 +90,7 @@ def test_check_exits_non_zero_when_a_supported_configuration_fails(load_kernel, 
     big = (jax.ShapeDtypeStruct((65536, 1024), jnp.float32),) * 2
     rows = matrix.run("scale-add-tpu", [matrix.Config("overflow declared supported", f, big, dict(block_rows=65536), chips=("v6e",))],
                       progress=None)
-    assert cli.report(rows) == 1
+    assert matrix.report(rows) == 1
     assert "NOT AS DECLARED" in capsys.readouterr().out
     assert cli.main(["check", "--path", str(manifest.ROOT / FIXTURE), "--chips", "v6e"]) == 0
 

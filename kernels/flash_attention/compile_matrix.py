@@ -7,7 +7,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_hub.matrix import Config
+from pallas_hub.verify.matrix import Config
 
 HQ, HKV, D = 32, 4, 128
 SHAPES = {  # name: (batch, q_len, kv_len)

@@ -8,7 +8,7 @@ KV write kernel. The cache pool holds exactly the pages the batch needs (num_seq
 import jax
 import jax.numpy as jnp
 
-from pallas_hub.matrix import Config
+from pallas_hub.verify.matrix import Config
 
 HQ, HKV, D = 32, 4, 128
 

@@ -9,7 +9,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_hub.matrix import Config
+from pallas_hub.verify.matrix import Config
 
 # name: (hidden, experts, top_k, moe_intermediate, activation); checked against the models' configs
 MODELS = {
@@ -58,7 +58,7 @@ def configs(kernel):
     # Expert parallelism: Qwen3-30B-A3B's 128 experts over 8 chips (16 local), tokens replicated.
     from jax.sharding import NamedSharding, PartitionSpec
 
-    from pallas_hub.chips import EIGHT_CHIP_TOPOLOGY
+    from pallas_hub.vendored._chips import EIGHT_CHIP_TOPOLOGY
     from pallas_hub.verify import tpu_mesh
 
     mesh = tpu_mesh(("ep",), (8,), EIGHT_CHIP_TOPOLOGY)

@@ -7,7 +7,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import manifest as mf
+from .hub import manifest as mf
 
 FIXTURE = mf.ROOT / "tests" / "fixtures" / "scale_add"
 
@@ -19,39 +19,12 @@ def _specs(args) -> list[mf.KernelSpec]:
 
 
 def cmd_build(args) -> int:
-    from .build import build_kernel
+    from .hub.build import build_kernel
 
     for spec in _specs(args):
         out = build_kernel(spec)
         print(f"built {spec.name} v{spec.version} -> {out}")
     return 0
-
-
-def check(specs: list[mf.KernelSpec], chips: tuple[str, ...] | None = None) -> list:
-    """Compile every declared configuration of ``specs`` for every chip; returns the rows."""
-    from . import matrix
-    from .build import build_kernel, load_built
-
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="pallas-hub-check-") as tmp:
-        for spec in specs:
-            matrix_file = spec.path / "compile_matrix.py"
-            if not matrix_file.exists():
-                print(f"{spec.name}: no compile_matrix.py, nothing declared")
-                continue
-            kernel = load_built(build_kernel(spec, Path(tmp) / spec.key))
-            rows += matrix.run(spec.name, matrix.load_configs(matrix_file, kernel), chips)
-    return rows
-
-
-def report(rows) -> int:
-    bad = [r for r in rows if not r.as_expected]
-    ok = sum(r.result.ok for r in rows)
-    print(f"\ncompile matrix: {len(rows)} configurations x chips, {ok} compiled, "
-          f"{len(rows) - ok} failed, {len(bad)} not as declared")
-    for r in bad:
-        print("  NOT AS DECLARED:", r.line())
-    return 1 if bad else 0
 
 
 def cmd_check(args) -> int:
@@ -60,12 +33,14 @@ def cmd_check(args) -> int:
     if not specs:
         print("the manifest declares no kernels yet; checking the fixture kernel")
         specs = [mf.load_kernel(FIXTURE)]
+    from .verify.matrix import check, report
+
     return report(check(specs, chips))
 
 
 def _hub(args):
-    from .fetch import Hub
-    from .hub import LocalHub
+    from .hub.fetch import Hub
+    from .hub.publish import LocalHub
 
     if getattr(args, "hub", False) or getattr(args, "endpoint", None):
         return Hub(endpoint=args.endpoint)
@@ -73,8 +48,8 @@ def _hub(args):
 
 
 def cmd_publish(args) -> int:
-    from .build import build_kernel
-    from .hub import LocalHub, publish_hub
+    from .hub.build import build_kernel
+    from .hub.publish import LocalHub, publish_hub
 
     target = _hub(args)
     for spec in _specs(args):
@@ -89,8 +64,8 @@ def cmd_publish(args) -> int:
 
 
 def cmd_fetch(args) -> int:
-    from .fetch import read_lock
-    from .session import load
+    from .hub.fetch import read_lock
+    from .hub.session import load
 
     if not args.repos and not args.lock:
         raise mf.ManifestError("give repo ids (org/name) or --lock FILE")
@@ -108,13 +83,13 @@ def cmd_fetch(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from .build import VARIANTS, variant_files
-    from .hub import LocalHub
+    from .hub.build import VARIANTS, variant_files
+    from .hub.publish import LocalHub
 
     local = LocalHub(args.local_hub)
     remote = None
     if args.hub or args.endpoint:
-        from .fetch import Hub
+        from .hub.fetch import Hub
 
         remote = Hub(endpoint=args.endpoint)
     manifest = mf.load_manifest()
@@ -148,10 +123,10 @@ def cmd_demo(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from . import bench
+    from .bench import runner
 
     families = tuple(args.families.split(",")) if args.families else ("moe", "prefill", "decode")
-    result = bench.run(families, bridge=not args.no_bridge, xla=not args.no_xla, paths=args.path or ())
+    result = runner.run(families, bridge=not args.no_bridge, xla=not args.no_xla, paths=args.path or ())
     return 0 if all(r.get("check", {}).get("ok", True) for r in result["rows"] if r["status"] == "ok") else 1
 
 
@@ -209,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pallas-hub: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        from .fetch import HubError
-        from .register import RegistrationError
+        from .hub.fetch import HubError
+        from .hub.register import RegistrationError
 
         if not isinstance(e, (HubError, RegistrationError)):
             raise

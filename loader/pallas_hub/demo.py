@@ -17,7 +17,7 @@ import logging
 import time
 from pathlib import Path
 
-from . import manifest as mf
+from .hub import manifest as mf
 
 TOL = dict(rtol=2e-4, atol=2e-4)  # f32 logits: our kernels accumulate in f32 like the defaults, in another order
 
@@ -163,10 +163,10 @@ def check_continuous_batching(paged: str, experts: str | None, out=print) -> lis
 
 
 def run(root: Path = mf.ROOT, local_hub: Path | None = None, compile_matrix: bool = True, out=print) -> int:
-    from .build import build_kernel
-    from .hub import LocalHub
-    from .register import Registration
-    from .session import load
+    from .hub.build import build_kernel
+    from .hub.publish import LocalHub
+    from .hub.register import Registration
+    from .hub.session import load
 
     manifest = mf.load_manifest(root)
     specs = list(manifest.kernels.values())
@@ -229,7 +229,7 @@ def run(root: Path = mf.ROOT, local_hub: Path | None = None, compile_matrix: boo
         registration.undo()
 
     if compile_matrix:
-        from .cli import check, report
+        from .verify.matrix import check, report
 
         out("\n== 4. TPU compile matrix (libtpu compile-only topologies, no TPU needed)")
         if specs:

@@ -1,6 +1,6 @@
 """Modelled TPU cost of flash-attention-tpu next to jax's Pallas flash_attention and splash attention.
 
-Every figure is the cost model's (pallas_hub.costmodel: HBM bytes the Pallas pipelines move, MXU
+Every figure is the cost model's (pallas_hub.bench.costmodel: HBM bytes the Pallas pipelines move, MXU
 flops executed, grid steps x 0.35 us), never a TPU measurement. Shapes: Qwen3-30B-A3B attention,
 32 q / 4 kv heads, head_dim 128, bf16, batch 1 (prefill) or 8 (decode).
 
@@ -20,13 +20,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
-import sys
-import types
 from pathlib import Path
 
-from pallas_hub import costmodel  # sets JAX_PLATFORMS=cpu first
+from pallas_hub.bench import costmodel  # sets JAX_PLATFORMS=cpu first
 
 import jax
 import jax.numpy as jnp
@@ -42,19 +39,14 @@ CASES = {  # name: (batch, Sq, Sk, causal)
 
 
 def load_package():
-    """The kernel package from its sources (the bridge comes from pallas_hub, as the build vendors it)."""
-    from pallas_hub import bridge
+    """The kernel's Pallas module, built the way a Hub download is (shared modules vendored)."""
+    import tempfile
 
-    src = Path(__file__).resolve().parents[1] / "torch-ext" / "flash_attention_tpu"
-    pkg = types.ModuleType("flash_attention_tpu")
-    pkg.__path__ = [str(src)]
-    sys.modules["flash_attention_tpu"] = pkg
-    sys.modules["flash_attention_tpu._bridge"] = bridge
-    spec = importlib.util.spec_from_file_location("flash_attention_tpu.pallas", src / "pallas.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    from pallas_hub.hub import manifest
+    from pallas_hub.hub.build import build_kernel, load_built
+
+    spec = manifest.load_kernel(Path(__file__).resolve().parents[1])
+    return load_built(build_kernel(spec, Path(tempfile.mkdtemp(prefix="flash-costmodel-")))).pallas
 
 
 def specs(b, sq, sk, hkv=HKV):

@@ -189,7 +189,8 @@ def test_strict_interpreter_forward_and_backward(fa):
 @pytest.mark.parametrize("chip,shape,label", [("v6e", "prefill 2k", "fwd+bwd"), ("tpu7x", "decode vs 32k, batch 8", "fwd"),
                                               ("v5e", "prefill 2k", "fwd")])
 def test_compile_matrix_subset(fa, chip, shape, label):
-    from pallas_hub import manifest, matrix
+    from pallas_hub.hub import manifest
+    from pallas_hub.verify import matrix
 
     configs = matrix.load_configs(manifest.ROOT / "kernels/flash_attention/compile_matrix.py", fa)
     (config,) = [c for c in configs if c.chips == (chip,) and c.name == f"qwen3-30b-a3b {shape} causal {label}"]
@@ -201,7 +202,8 @@ def test_compile_matrix_subset(fa, chip, shape, label):
 @pytest.mark.slow  # ~35 s of compiler time before it gives up
 @pytest.mark.tpu_compile
 def test_compile_rejects_vmem_overflow(fa):
-    from pallas_hub import manifest, matrix
+    from pallas_hub.hub import manifest
+    from pallas_hub.verify import matrix
 
     configs = matrix.load_configs(manifest.ROOT / "kernels/flash_attention/compile_matrix.py", fa)
     (config,) = [c for c in configs if c.fails_with]

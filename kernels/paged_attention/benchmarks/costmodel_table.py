@@ -1,4 +1,4 @@
-"""Cost-model table for paged-attention-tpu (MODELLED TPU times from pallas_hub.costmodel, never measured).
+"""Cost-model table for paged-attention-tpu (MODELLED TPU times from pallas_hub.bench.costmodel, never measured).
 
 Run: PYTHONPATH=loader python kernels/paged_attention/benchmarks/costmodel_table.py [--quick]
 
@@ -25,9 +25,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from pallas_hub import costmodel, manifest  # noqa: E402
-from pallas_hub.build import build_kernel, load_built  # noqa: E402
-from pallas_hub.chips import chip as get_chip  # noqa: E402
+from pallas_hub.bench import costmodel  # noqa: E402
+from pallas_hub.hub import manifest  # noqa: E402
+from pallas_hub.hub.build import build_kernel, load_built  # noqa: E402
+from pallas_hub.vendored._chips import chip as get_chip  # noqa: E402
 
 HQ, HKV, D = 32, 4, 128
 BF16 = jnp.bfloat16
@@ -127,7 +128,7 @@ def main():
     import tempfile
 
     k = load_built(build_kernel(spec, Path(tempfile.mkdtemp()) / "paged"))
-    print("MODELLED on v6e by pallas_hub.costmodel (no TPU timing); Qwen3-30B-A3B attention, bf16")
+    print("MODELLED on v6e by pallas_hub.bench.costmodel (no TPU timing); Qwen3-30B-A3B attention, bf16")
     print(f"| {'batch':<52} | {'implementation':<36} | {'model time (us)':>15} | {'roofline':>8} |")
     print(f"|{'-' * 54}|{'-' * 38}|{'-' * 17}|{'-' * 10}|")
     for name, impl, t, frac in rows(k, args.quick):

@@ -3,7 +3,7 @@
 * ``RaggedDotBenchmark`` / ``ExpertsBenchmark``: the `kernels benchmark` format (workloads
   ``setup_<w>``/``benchmark_<w>``/``verify_<w>``). On a TPU host they time the real kernels; here
   they run in interpret mode, so their times say nothing about a TPU.
-* ``python benchmark_ragged_dot.py``: the TPU cost-model table (pallas_hub.costmodel, MODELLED, not
+* ``python benchmark_ragged_dot.py``: the TPU cost-model table (pallas_hub.bench.costmodel, MODELLED, not
   measured) for one Qwen3-30B-A3B experts layer (gate_up with its activation, then down) at 1, 64,
   256 and 4096 tokens: ours vs jax's megablox gmm and tokamax 0.0.12's mosaic ragged_dot, each at
   its default tiling and at the best tiling the model finds.
@@ -93,7 +93,7 @@ def _activation_pass(m):
 
 def ours(P, sizes, tiles=None):
     import jax.numpy as jnp
-    from pallas_hub import costmodel
+    from pallas_hub.bench import costmodel
 
     s = _specs(int(sizes.sum()))
     gs = jnp.asarray(sizes)
@@ -109,7 +109,7 @@ def ours(P, sizes, tiles=None):
 def ours_fused(P, sizes):
     """Our experts path: the whole expert MLP in one kernel (what experts_forward runs)."""
     import jax.numpy as jnp
-    from pallas_hub import costmodel
+    from pallas_hub.bench import costmodel
 
     s = _specs(int(sizes.sum()))
     gs = jnp.asarray(sizes)
@@ -122,7 +122,7 @@ def megablox(sizes, tiles=((128, 128, 128), (128, 128, 128))):
     import importlib
 
     mb = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
-    from pallas_hub import costmodel
+    from pallas_hub.bench import costmodel
 
     m = int(sizes.sum())
     mp = -(-m // 512) * 512  # megablox needs m divisible by tm: pad (rows past sum are not visited)
@@ -139,7 +139,7 @@ def megablox(sizes, tiles=((128, 128, 128), (128, 128, 128))):
 
 def tokamax(sizes, tiles=None):
     import jax.numpy as jnp
-    from pallas_hub import costmodel
+    from pallas_hub.bench import costmodel
     from tokamax._src.ops.ragged_dot import pallas_mosaic_tpu as rd
 
     from ragged_dot_tpu import tokamax_anchor  # noqa: F401  (installs the CPU workarounds)
@@ -167,7 +167,7 @@ def tokamax(sizes, tiles=None):
 
 
 def _time(cost, extra_bytes, chip="v6e"):
-    from pallas_hub import chips
+    from pallas_hub.vendored import _chips as chips
 
     return cost.time(chip) + extra_bytes / chips.chip(chip).hbm_bandwidth
 
@@ -233,8 +233,8 @@ if __name__ == "__main__":
     # import the package from a fresh build (it needs the vendored bridge and _ops)
     import tempfile
 
-    from pallas_hub import manifest
-    from pallas_hub.build import build_kernel
+    from pallas_hub.hub import manifest
+    from pallas_hub.hub.build import build_kernel
 
     out = build_kernel(manifest.load_kernel(root / "kernels" / "ragged_dot"), Path(tempfile.mkdtemp()))
     sys.path.insert(0, str(out / "torch-universal"))

@@ -15,7 +15,7 @@ import weakref
 
 import torch
 
-from . import attention_math, pallas
+from . import _attention_math as attention_math, pallas
 from ._bridge import check_array, dtype_name, jax_op
 from ._ops import add_op_namespace_prefix
 

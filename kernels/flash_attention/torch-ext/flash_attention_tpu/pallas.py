@@ -9,7 +9,7 @@ Which keys a query sees is described per sequence by three integers (``seq`` [B,
 and ``q_len`` (query rows from it on are padding and give 0). Queries are the last ``q_len``
 tokens of the sequence, so query row i sits at position ``kv_end - q_len + i`` (causal is
 bottom-right aligned: decode and chunked prefill). Causal, sliding window, soft-cap and sinks
-follow transformers (see attention_math). An arbitrary boolean mask [B, Sq, Sk] can be given as
+follow transformers (see _attention_math). An arbitrary boolean mask [B, Sq, Sk] can be given as
 well; its blocks are then read and applied on top.
 
 Work is scheduled, not swept: from ``seq`` and the static mask kind, the wrapper lists, for every
@@ -34,8 +34,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import attention_math as am
-from ._bridge import check_array, dtype_name, tpu_generation
+from . import _attention_math as am
+from ._bridge import check_array, dtype_name
+from ._chips import tpu_generation
 
 DTYPES = ("float32", "bfloat16")
 HEAD_DIMS = (64, 128, 256)

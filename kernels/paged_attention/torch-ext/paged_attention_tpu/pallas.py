@@ -35,7 +35,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from . import attention_math as am
+from . import _attention_math as am
 from ._bridge import check_array, dtype_name
 
 KV_DTYPES = ("float32", "bfloat16")
@@ -421,7 +421,7 @@ def ragged_paged_attention(
 # --------------------------------------------------------------------------- reference
 
 def reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=1.0, window=0, softcap=0.0):
-    """Per-sequence loop on the host: gather each sequence's pages, dense attention_math.reference_attention.
+    """Per-sequence loop on the host: gather each sequence's pages, dense _attention_math.reference_attention.
     Independent of the kernel's tiling, DMA and work-item logic. Returns f32 [T, Hq, D]."""
     t, hq, d = q.shape
     page = k_pages.shape[1]

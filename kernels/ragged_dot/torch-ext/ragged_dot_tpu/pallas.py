@@ -33,30 +33,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._bridge import check_array, dtype_name, tpu_generation
+from ._bridge import check_array, dtype_name
+from ._chips import CHIPS, Chip, MiB, tpu_generation
 
 DTYPES = ("float32", "bfloat16")
 ACTIVATIONS = ("none", "silu", "gelu_tanh", "swiglu_oai")
 
 
 # --------------------------------------------------------------------------- chips and tiling
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-    name: str
-    peak_flops: float  # bf16 MXU FLOP/s per chip
-    hbm_bandwidth: float  # bytes/s
-    vmem_bytes: int  # per TensorCore
-    step_overhead_s: float = 0.35e-6
-
-
-_MiB = 1 << 20
-CHIPS = {
-    "v5e": Chip("v5e", 197e12, 819e9, 128 * _MiB),
-    "v6e": Chip("v6e", 918e12, 1640e9, 128 * _MiB),
-    "tpu7x": Chip("tpu7x", 2307e12, 7.4e12, 64 * _MiB),
-}
-
 
 def current_chip() -> str | None:
     """The TPU generation of the default device; None off TPU (interpret mode, or compiling ahead
@@ -136,7 +120,7 @@ def choose_gmm_tiling(m: int, k: int, n: int, g: int, *, in_dtype, out_dtype, ch
             break  # the widest tn that fits wins: narrower ones only re-read the lhs
     if best is None:
         raise ValueError(f"no (tm, tn) tiling of a [{m}, {k}] x [{k}, {n}] grouped matmul fits in "
-                         f"{spec.name} VMEM ({budget / _MiB:.0f} MiB budget); k={k} is too large")
+                         f"{spec.name} VMEM ({budget / MiB:.0f} MiB budget); k={k} is too large")
     return best[1], best[2]
 
 
@@ -307,7 +291,7 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
     inb, outb = lhs.dtype.itemsize, out_dtype.itemsize
     if vmem_limit_bytes is None:
         need = gmm_vmem_bytes(tm, tn, k, inb, outb, 2 if gated else 1) + (4 * tm * wn * 4 if interleaved else 0)
-        vmem_limit_bytes = int(min(max(need * 1.25 + 4 * _MiB, 32 * _MiB), _chip(chip).vmem_bytes * 0.9))
+        vmem_limit_bytes = int(min(max(need * 1.25 + 4 * MiB, 32 * MiB), _chip(chip).vmem_bytes * 0.9))
     kernel = functools.partial(_gmm_kernel, tm=tm, num_groups=g, transposed=transposed, activation=activation,
                                interleaved=interleaved, alpha=float(alpha), limit=float(limit),
                                has_bias=bias is not None)
@@ -376,7 +360,7 @@ def tgmm(x, y, group_sizes, *, out_dtype=None, tm: int | None = None, tk: int | 
             scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)]),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=int(min(max(need * 1.25 + 4 * _MiB, 32 * _MiB), spec.vmem_bytes * 0.9))),
+            vmem_limit_bytes=int(min(max(need * 1.25 + 4 * MiB, 32 * MiB), spec.vmem_bytes * 0.9))),
         name="ragged_dot_tgmm",
     )(offsets, item_group, item_tile, fetch_group, fetch_tile, x, y)
 
@@ -609,7 +593,7 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
             out_specs=pl.BlockSpec((tm, h), lambda it, off, ig, itl, fg, ft: (itl[it], 0))),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),
-            vmem_limit_bytes=int(min(max(need * 1.25 + 4 * _MiB, 32 * _MiB), _chip(chip).vmem_bytes * 0.9))),
+            vmem_limit_bytes=int(min(max(need * 1.25 + 4 * MiB, 32 * MiB), _chip(chip).vmem_bytes * 0.9))),
         cost_estimate=pl.CostEstimate(flops=2 * m * h * 3 * i, transcendentals=m * i,
                                       bytes_accessed=g * 3 * h * i * x.dtype.itemsize + m * h * (x.dtype.itemsize + out_dtype.itemsize)),
         name="ragged_dot_fused_moe",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 
-from . import verify  # noqa: F401  (CPU-only JAX set-up)
+from .. import verify  # noqa: F401  (CPU-only JAX set-up before jax loads)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -28,7 +28,7 @@ import threading
 import types
 from pathlib import Path
 
-from .hub import REPO_TYPE, LocalHub, file_lock, repo_folder
+from .publish import REPO_TYPE, LocalHub, file_lock, repo_folder
 
 _BYTECODE = ["*.pyc", "**/__pycache__/**"]
 _ENV_LOCK = threading.RLock()  # the hub settings below are process-wide; one fetch at a time per process
@@ -149,7 +149,7 @@ class Hub:
 
     def pin(self, repo_id: str, version: int, commit: str) -> None:
         """Record ``refs/v<N>`` in the cache so ``get_kernel(version=N)`` resolves it offline."""
-        from .hub import _write_atomic
+        from .publish import _write_atomic
 
         _write_atomic(self.cache_dir / repo_folder(repo_id) / "refs" / f"v{version}", commit.encode())
 

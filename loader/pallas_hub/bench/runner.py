@@ -2,9 +2,9 @@
 
 One run produces, for every kernel in the manifest and every shape of DESIGN.md "Shapes that
 matter" (Qwen3-30B-A3B, and GPT-OSS-20B on fewer shapes): modelled HBM bytes, MXU flops, steps, time and roofline fraction on
-v5e, v6e and TPU7x (``pallas_hub.costmodel``; a model, never a TPU measurement), the CPU
+v5e, v6e and TPU7x (``pallas_hub.bench.costmodel``; a model, never a TPU measurement), the CPU
 interpret-mode correctness of each implementation (at a reduced shape, stated in the row), the
-bridge overhead measured on this machine (``benchmarks/bridge.py``) and the cost model's
+bridge overhead measured on this machine (``bench.bridge_overhead``) and the cost model's
 comparison with XLA:TPU's own cost analysis on plain matmuls. Results go to
 ``benchmarks/results/bench.json``, PNG plots beside it, and the table in ``benchmarks/README.md``.
 
@@ -24,10 +24,10 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from . import verify  # noqa: F401  (CPU JAX set-up)
+from .. import verify  # noqa: F401  (CPU-only JAX set-up before jax loads)
 from . import anchors, costmodel
-from .chips import DEFAULT_CHIPS
-from .manifest import ROOT
+from ..vendored._chips import DEFAULT_CHIPS
+from ..hub.manifest import ROOT
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -297,8 +297,8 @@ def _describe(path: Path) -> str:
 def implementations(families, kernels_dir: Path | None = None, paths=(), progress=print) -> list[Impl]:
     """Ours (built from the manifest, as ``pallas-hub check`` does, or from kernel folders given in
     ``paths``, which win) and the anchors, per family."""
-    from . import manifest as mf
-    from .build import build_kernel, load_built
+    from ..hub import manifest as mf
+    from ..hub.build import build_kernel, load_built
 
     present = dict(mf.load_manifest().kernels)
     for path in paths:
@@ -385,7 +385,7 @@ def xla_matmul_comparison(shapes=((1024, 1024, 1024), (2048, 2048, 1536), (8192,
     """The cost model on jax's Pallas matmul beside XLA:TPU's cost analysis of jnp.dot (compiled here)."""
     from jax.experimental.pallas.ops.tpu import matmul as pallas_matmul
 
-    from .chips import chip as get_chip
+    from ..vendored._chips import chip as get_chip
 
     rows = []
     for m, k, n in shapes:
@@ -458,13 +458,9 @@ def run(families=("moe", "prefill", "decode"), *, out_dir: Path = RESULTS, readm
 
 
 def _bridge_bench(progress):
-    import importlib.util
+    from . import bridge_overhead
 
-    path = ROOT / "benchmarks" / "bridge.py"
-    spec = importlib.util.spec_from_file_location("pallas_hub_bridge_bench", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.run(progress=progress)
+    return bridge_overhead.run(progress=progress)
 
 
 def _progress_line(i, n, row, elapsed) -> str:
@@ -514,7 +510,7 @@ def _fmt_time(s):
 def tables(result: dict) -> str:
     """The markdown tables of a result (what the README shows)."""
     lines = ["### Kernels on real model shapes (modelled TPU cost)", "",
-             "Times are TPU cost-model outputs (`pallas_hub.costmodel`), not measurements. "
+             "Times are TPU cost-model outputs (`pallas_hub.bench.costmodel`), not measurements. "
              "Roofline = ideal time (the problem's minimum bytes and flops at the chip's roofline) / modelled time. "
              "Check = CPU interpret-mode output vs a plain-JAX f32 reference (max |err| / max |ref|), at the reduced shape given below.",
              "",
@@ -556,7 +552,7 @@ def tables(result: dict) -> str:
     if result.get("xla_matmul"):
         lines += ["", "### Cost model vs XLA:TPU cost analysis (plain bf16 matmuls)", "",
                   "XLA: `jnp.dot` compiled for the chip here (compile-only topology), `cost_analysis()`. "
-                  "Model: `pallas_hub.costmodel` on jax's Pallas TPU matmul (blocks 512x512x512).", "",
+                  "Model: `pallas_hub.bench.costmodel` on jax's Pallas TPU matmul (blocks 512x512x512).", "",
                   "| m x k x n | chip | XLA optimal_seconds | XLA bytes | model time | model bytes | model / XLA | ideal |",
                   "|---|---|---|---|---|---|---|---|"]
         for r in result["xla_matmul"]:

@@ -1,5 +1,5 @@
-"""Attention math shared by the flash and paged attention kernels (one source; paged_attention's
-package holds a symlink to this file, and the build copies its content into each package).
+"""Attention math shared by the flash and paged attention kernels (one source, in
+``pallas_hub/vendored/``; the build copies it into each package that imports ``_attention_math``).
 
 Everything here works both inside a Pallas kernel body (on block values) and on whole arrays.
 Semantics follow transformers:

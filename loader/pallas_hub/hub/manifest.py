@@ -10,7 +10,7 @@ import re
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository (loader/pallas_hub/ -> ../..)
+ROOT = Path(__file__).resolve().parents[3]  # the repository (loader/pallas_hub/hub/ -> ../../..)
 BACKENDS = ("cann", "cpu", "cuda", "metal", "neuron", "rocm", "tpu", "xpu")  # kernel-builder's enum
 NAME_RE = re.compile(r"^[a-z][-a-z0-9]*[a-z0-9]$")  # what `kernels` accepts as a kernel name
 REPO_RE = re.compile(r"^[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*$")

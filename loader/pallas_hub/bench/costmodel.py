@@ -18,7 +18,7 @@ walks the grid in Pallas pipeline order (row-major, last axis fastest) and
   upper bound), and loop outputs that are vector data stay unknown.
 
 Time per call = max(HBM bytes / bandwidth, flops / bf16 peak) + steps x per-step overhead
-(``pallas_hub.chips``); steps are the grid's plus every iteration of an innermost kernel loop that
+(``pallas_hub.vendored._chips``); steps are the grid's plus every iteration of an innermost kernel loop that
 starts DMAs (a software pipeline's steps). A function's time is the sum over its calls. Not
 modelled: XLA work outside the kernels, megacore splitting of "parallel" axes, f32 MXU passes (all
 flops at the bf16 peak), and inefficiency inside a step. A model, never a measured TPU time.
@@ -31,8 +31,8 @@ import functools
 import math
 from typing import Any, Callable
 
-from . import verify  # noqa: F401  (sets JAX_PLATFORMS/ALLOW_MULTIPLE_LIBTPU_LOAD before jax loads)
-from .chips import chip as get_chip
+from ..verify import introspect  # importing pallas_hub.verify first keeps JAX on the CPU
+from ..vendored._chips import chip as get_chip
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -152,7 +152,7 @@ def capture(fn: Callable, *args, **static) -> list[tuple[tuple, dict]]:
 
 
 def _has_pallas_call(jaxpr) -> bool:
-    return any(e.primitive.name == "pallas_call" for e in verify._walk(jaxpr))
+    return any(e.primitive.name == "pallas_call" for e in introspect.walk(jaxpr))
 
 
 def _eval_outer(jaxpr, consts, args, records):
@@ -167,7 +167,7 @@ def _eval_outer(jaxpr, consts, args, records):
         if name == "pallas_call":
             records.append((tuple(ins), dict(eqn.params)))
             outs = abstract(eqn)  # nothing is computed
-        elif not any(_has_pallas_call(j) for v in eqn.params.values() for j in verify._sub_jaxprs(v)):
+        elif not any(_has_pallas_call(j) for v in eqn.params.values() for j in introspect.sub_jaxprs(v)):
             if any(isinstance(x, jax.ShapeDtypeStruct) for x in ins):
                 outs = abstract(eqn)  # data the kernels' control never sees stays abstract
             else:
@@ -279,7 +279,7 @@ def _call_cost(operands: tuple, params: dict) -> CallCost:
         b = np.asarray(b)
         moves = 1 + int(np.any(b[1:] != b[:-1], axis=1).sum()) if n_steps else 0
         kind = "output" if k >= n_in else "input"
-        traffic.append(OperandTraffic(str(bm.origin), kind, _nbytes(verify._block_dims(bm.block_shape), bm.array_aval.dtype), moves))
+        traffic.append(OperandTraffic(str(bm.origin), kind, _nbytes(introspect.block_dims(bm.block_shape), bm.array_aval.dtype), moves))
     for i, v in enumerate(prefetch):
         traffic.append(OperandTraffic(f"scalar_prefetch[{i}]", "scalar_prefetch", int(v.size * v.dtype.itemsize), 1))
     for k, bm in enumerate(gm.block_mappings):
@@ -347,7 +347,7 @@ _LOOPS = ("while", "scan")
 
 
 def _starts_dma(jaxpr) -> bool:
-    return any(e.primitive.name == "dma_start" for e in verify._walk(jaxpr))
+    return any(e.primitive.name == "dma_start" for e in introspect.walk(jaxpr))
 
 
 def _is_pipeline_loop(eqn) -> bool:
@@ -357,7 +357,7 @@ def _is_pipeline_loop(eqn) -> bool:
     body = _jaxpr_of(eqn.params["body_jaxpr" if eqn.primitive.name == "while" else "jaxpr"])
     return _starts_dma(body) and not any(
         e.primitive.name in _LOOPS and _starts_dma(_jaxpr_of(e.params["body_jaxpr" if e.primitive.name == "while" else "jaxpr"]))
-        for e in verify._walk(body))
+        for e in introspect.walk(body))
 
 
 _CALL_PARAMS = {"pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
@@ -427,7 +427,7 @@ class _Body:
                 self.loop_index[id(eqn)] = len(self.sites)
                 self.sites.append(_Site(steps=1))
             for value in eqn.params.values():
-                for sub in verify._sub_jaxprs(value):
+                for sub in introspect.sub_jaxprs(value):
                     self._collect(sub)
 
     def tracked_ref(self, aval, value) -> _Ref:

@@ -1,4 +1,4 @@
-"""Bridge overhead, measured on this machine: a torch custom op through ``pallas_hub.bridge`` against
+"""Bridge overhead, measured on this machine: a torch custom op through the bridge (``pallas_hub.vendored._bridge``) against
 the same jitted JAX function called on JAX arrays.
 
 Per shape and dtype: ``calls`` timed calls after a warm-up, median and p90 in microseconds, the
@@ -6,7 +6,7 @@ overhead (bridge median - raw median), and whether the input reaches JAX without
 number of XLA compilations across a loop of changing token counts (one per new shape is the most
 there should be; repeats must hit the cache).
 
-    PYTHONPATH=loader python benchmarks/bridge.py [--calls 1000] [--json out.json]
+    python -m pallas_hub.bench.bridge_overhead [--calls 1000] [--json out.json]
 
 This is CPU dispatch cost (the CPU path of the bridge); on TorchTPU the op is torch_tpu's jax_op.
 """
@@ -20,11 +20,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "loader"))
-
-from pallas_hub import verify  # noqa: E402,F401  (CPU JAX set-up)
-from pallas_hub.bridge import jax_op, to_jax  # noqa: E402
-from pallas_hub.timing import percentile  # noqa: E402
+from ..vendored._bridge import jax_op, to_jax  # (importing pallas_hub.bench keeps JAX on the CPU)
+from .timing import percentile
 
 import jax  # noqa: E402
 import torch  # noqa: E402
@@ -123,7 +120,7 @@ def run(calls: int = 1000, warmup: int = 100, progress=print) -> dict:
 
 def _breakdown(calls: int, warmup: int) -> dict:
     """Where the bridge's time goes, piece by piece, on a small tensor."""
-    from pallas_hub.bridge import _interpret_mode, to_torch
+    from ..vendored._bridge import _interpret_mode, to_torch
 
     t = torch.randn(8, 128)
     x = jax.device_put(to_jax(t))

@@ -13,11 +13,13 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
 
-from .chips import DEFAULT_CHIPS
-from .verify import CompileResult, compile_for_tpu
+from ..hub import manifest as mf
+from ..vendored._chips import DEFAULT_CHIPS
+from .compiler import CompileResult, compile_for_tpu
 
 
 @dataclasses.dataclass
@@ -74,3 +76,30 @@ def run(kernel: str, configs: list[Config], chips: tuple[str, ...] | None = None
             if progress:
                 progress(row.line() + f"  [{result.seconds:.1f}s]")
     return rows
+
+
+def check(specs: list[mf.KernelSpec], chips: tuple[str, ...] | None = None, progress=print) -> list[Row]:
+    """Build each kernel (in a temporary folder) and compile every configuration it declares; the rows."""
+    from ..hub.build import build_kernel, load_built
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pallas-hub-check-") as tmp:
+        for spec in specs:
+            matrix_file = spec.path / "compile_matrix.py"
+            if not matrix_file.exists():
+                progress(f"{spec.name}: no compile_matrix.py, nothing declared")
+                continue
+            kernel = load_built(build_kernel(spec, Path(tmp) / spec.key))
+            rows += run(spec.name, load_configs(matrix_file, kernel), chips, progress=progress)
+    return rows
+
+
+def report(rows: list[Row], progress=print) -> int:
+    """Print the summary (and every row not as declared); 1 if any row is not as declared, else 0."""
+    bad = [r for r in rows if not r.as_expected]
+    ok = sum(r.result.ok for r in rows)
+    progress(f"\ncompile matrix: {len(rows)} configurations x chips, {ok} compiled, "
+             f"{len(rows) - ok} failed, {len(bad)} not as declared")
+    for r in bad:
+        progress("  NOT AS DECLARED: " + r.line())
+    return 1 if bad else 0

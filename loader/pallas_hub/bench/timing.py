@@ -15,7 +15,7 @@ import statistics
 import time
 from typing import Any, Callable
 
-from .bridge import synchronize
+from ..vendored._bridge import synchronize
 
 
 @dataclasses.dataclass(frozen=True)

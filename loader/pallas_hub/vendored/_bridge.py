@@ -1,8 +1,8 @@
 """The torch <-> JAX bridge: one annotated JAX function becomes one ``torch.library`` custom op.
 
-This file is the single source. ``pallas-hub build`` vendors it into every kernel package as
-``_bridge.py`` (a Hub kernel may only import the standard library, torch and its own modules;
-jax is imported, not declared). Keep it that way: no imports from ``pallas_hub`` here.
+This file is the single source (``pallas_hub/vendored/``): ``pallas-hub build`` copies it, byte
+for byte, into every kernel package as ``_bridge.py`` (a Hub kernel may only import the standard
+library, torch and its own modules; jax is imported, not declared).
 
 Two execution paths behind one op:
 
@@ -112,29 +112,6 @@ def check_devices(tensors: dict[str, Any], *, allow_meta: bool = False) -> str:
         elif value.device != device[1]:
             raise ValueError(f"{name} is on {value.device} but {device[0]} is on {device[1]}; all tensors must share a device")
     return device[1].type if device else "cpu"
-
-
-def tpu_generation(device: Any = None) -> str | None:
-    """'v5e', 'v6e' or 'tpu7x' for a JAX device (default: JAX's first device), None off TPU.
-
-    Kernels choose tiles per generation with it; off TPU (interpret mode, or compiling ahead of
-    time from a CPU host) they pick tiles that fit every generation.
-    """
-    if device is None:
-        import jax
-
-        try:
-            device = jax.devices()[0]
-        except RuntimeError:  # no JAX backend at all
-            return None
-    kind = str(getattr(device, "device_kind", "")).lower()
-    if "v5 lite" in kind or "v5e" in kind:
-        return "v5e"
-    if "v6" in kind:
-        return "v6e"
-    if "7x" in kind or "v7" in kind:
-        return "tpu7x"
-    return None
 
 
 # --------------------------------------------------------------------------- CPU path

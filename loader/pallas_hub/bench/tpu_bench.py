@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from . import timing
-from .bridge import synchronize, tpu_generation
+from ..vendored._bridge import synchronize
+from ..vendored._chips import tpu_generation
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -40,7 +41,7 @@ def time_rows(problems, impls, model_rows, *, chip: str | None, device: str, run
               clock: Callable[[], float] | None = None, sync: Callable[..., None] = synchronize,
               interpret: bool = False, progress=print) -> list[dict]:
     """Time each (problem, implementation) that has a function; the modelled time rides along."""
-    from . import verify
+    from .. import verify
 
     rows = []
     for i, p in enumerate(problems):
@@ -130,8 +131,8 @@ def run(problems, impls, model_rows, *, progress=print, jax_device=None, **kw) -
 
 def _our_experts_forward():
     """The experts function our ragged_dot kernel declares in REGISTRATIONS, if the manifest has it."""
-    from . import manifest as mf
-    from .build import build_kernel, load_built
+    from ..hub import manifest as mf
+    from ..hub.build import build_kernel, load_built
 
     spec = mf.load_manifest().kernels.get("ragged_dot")
     if spec is None:

@@ -1,18 +1,12 @@
-"""The shared attention math: blockwise online softmax equals the dense reference (sinks, windows,
+"""The attention math shared by flash and paged attention (pallas_hub/vendored/_attention_math.py): blockwise online softmax equals the dense reference (sinks, windows,
 soft-cap, padding, fully masked rows)."""
-
-import importlib.util
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-_spec = importlib.util.spec_from_file_location(
-    "attention_math", Path(__file__).parents[1] / "torch-ext" / "flash_attention_tpu" / "attention_math.py")
-am = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(am)
+from pallas_hub.vendored import _attention_math as am
 
 
 def _naive(q, k, v, scale, causal, window, softcap, sink, kv_len, q_len):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .chips import chip as get_chip
+from ..vendored._chips import chip as get_chip
 
 KIND_MARKERS = {"ours": "o", "anchor": "s"}
 

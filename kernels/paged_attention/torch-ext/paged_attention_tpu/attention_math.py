@@ -1,1 +1,0 @@
-../../../flash_attention/torch-ext/flash_attention_tpu/attention_math.py
