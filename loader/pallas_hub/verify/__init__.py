@@ -15,6 +15,7 @@ import os
 # processes may load libtpu at once (it guards the TPU with a process-wide lock file).
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # libtpu (loaded with torch_tpu) never asks the cloud metadata server
 
 from .compiler import CompileResult, compile_for_tpu, first_line, tpu_devices, tpu_mesh  # noqa: E402
 from .interpreter import interpret, strict_params  # noqa: E402
