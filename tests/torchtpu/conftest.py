@@ -94,8 +94,8 @@ class OnTPU:
             return torch.empty(shape, dtype=dtype or torch.bfloat16, device="tpu")
 
     def __call__(self, package, fn):
-        """fn() with every bridge op of ``package`` taking its `tpu` path."""
-        with torchtpu.tpu_kernels(torchtpu.bridge_ops(package), self.checker), self.mode:
+        """fn() with the ops of ``package`` taking their `tpu` path; no CPU tensor may appear."""
+        with torchtpu.tpu_kernels(torchtpu.kernel_ops(package), self.checker), self.mode, torchtpu.no_cpu_tensors():
             return fn()
 
     def launched(self) -> list[str]:

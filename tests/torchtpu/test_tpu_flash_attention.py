@@ -21,7 +21,7 @@ def _module(hq, hkv):
 
 def test_the_kernel_imports_with_torch_tpus_jax_op(fa):
     """torch_tpu's jax_op refuses JAX functions without a return annotation (flash did not import at all)."""
-    assert {op._qualname.split("::")[1] for op in torchtpu.bridge_ops(fa)} == {"attention", "attention_backward"}
+    assert {op._qualname.split("::")[1] for op in torchtpu.kernel_ops(fa)} == {"attention", "attention_backward"}
 
 
 @pytest.mark.parametrize("variant", ["plain", "sinks+window+softcap", "lengths", "mask"])

@@ -16,7 +16,7 @@ def rd(load_kernel):
 def test_every_op_has_a_tpu_kernel_in_front_of_torch_tpus_jax_op(rd):
     from torch_tpu._internal.pallas.pallas import JaxCallable
 
-    ops = torchtpu.bridge_ops(rd)
+    ops = torchtpu.kernel_ops(rd)
     assert {op._qualname.split("::")[1] for op in ops} == {"ragged_dot", "ragged_dot_backward", "experts"}
     for op in ops:
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op._qualname, "PrivateUse1")
@@ -93,18 +93,22 @@ def test_experts_forward_as_transformers_calls_it(rd, on_tpu, family, index_dtyp
         assert launch.params[1].shape == (8, 2)  # the bucket
 
 
-def test_our_fakes_equal_torch_tpus_fakes(rd):
+def test_our_fakes_equal_torch_tpus_fakes_at_qwen3_30b_a3b_shapes(rd):
     """Our pure-torch fakes (what torch.compile and torch.export use) against torch_tpu's own, which
-    export the kernel for TPU: same output shapes, dtypes and device."""
+    export the kernel for TPU: same output shapes, dtypes and device. One Qwen3-30B-A3B experts layer
+    (128 experts, hidden 2048, intermediate 768, top-8) for 64 tokens, and its grouped matmuls."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode()
     with mode:
-        args = [torch.empty(s, dtype=d, device="tpu") for s, d in (((40, 256), torch.bfloat16),
-                                                                   ((8, 512, 256), torch.bfloat16),
-                                                                   ((8,), torch.int32))]
-    for op_args in ((args[0], args[1], args[2], True, "float32"), (args[0], args[1], args[2], True, "")):
+        t = lambda *s, dtype=torch.bfloat16: torch.empty(s, dtype=dtype, device="tpu")  # noqa: E731
+        calls = [
+            (rd.ragged_dot, (t(512, 2048), t(128, 1536, 2048), t(128, dtype=torch.int32), True, "")),
+            (rd.ragged_dot, (t(512, 768), t(128, 2048, 768), t(128, dtype=torch.int32), True, "float32")),
+            (rd.experts_op, (t(64, 2048), t(64, 8, dtype=torch.int32), t(64, 8, dtype=torch.float32),
+                             t(128, 1536, 2048), t(128, 2048, 768))),
+        ]
+    for op, args in calls:
         with mode:
-            ours = rd.ragged_dot(*op_args)
-            theirs = rd.ragged_dot.tpu_op(*op_args)
+            ours, theirs = op(*args), op.tpu_op(*args)
         assert (ours.shape, ours.dtype, ours.device) == (theirs.shape, theirs.dtype, theirs.device)

@@ -25,6 +25,7 @@ import functools
 import inspect
 import types
 import typing
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -308,7 +309,9 @@ def jax_op(
 
     tpu_jax_op = _tpu_jax_op()
     if tpu_jax_op is not None:  # torch_tpu installed: `tpu` tensors run the kernel exported for TPU
-        launch = tpu_jax_op(qualname + "_jax", _on_torch_tpu_chip(fn))
+        with warnings.catch_warnings():  # torch_tpu 0.2.0 marks jax_op experimental, once per op
+            warnings.filterwarnings("ignore", message=r".*jax_op is experimental")
+            launch = tpu_jax_op(qualname + "_jax", _on_torch_tpu_chip(fn))
 
         def tpu_impl(*args, **kwargs):
             bound = checked(args, kwargs)

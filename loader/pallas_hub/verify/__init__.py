@@ -7,6 +7,9 @@
 * ``matrix``: every configuration a kernel declares in its ``compile_matrix.py``, for every chip
   (``pallas-hub check``).
 * ``introspect``: a program's ``pallas_call``s (grid, blocks, scratch), for VMEM figures and the cost model.
+* ``torchtpu``: TorchTPU's ``tpu`` device without a chip (torch_tpu installed): a kernel's torch ops on
+  ``tpu`` tensors under torch_tpu's fakes and through its eager path to a checked launch. Imported on
+  its own (``from pallas_hub.verify import torchtpu``): it imports torch.
 """
 
 import os

@@ -205,29 +205,53 @@ class LaunchChecker:
 
 # --------------------------------------------------------------------------- running ops on `tpu`
 
-def bridge_ops(package) -> list:
-    """The bridge ops (custom ops with a TorchTPU op behind them) defined in a kernel package's modules."""
+def kernel_ops(package) -> list:
+    """The torch custom ops defined in a kernel package's modules (the bridge's, with ``tpu_op``)."""
     from torch._library.custom_ops import CustomOpDef
 
     found = {}
     for name, module in list(sys.modules.items()):
         if module is not None and (name == package.__name__ or name.startswith(package.__name__ + ".")):
             for value in vars(module).values():
-                if isinstance(value, CustomOpDef) and hasattr(value, "tpu_op"):
+                if isinstance(value, CustomOpDef):
                     found[value._qualname] = value
     return list(found.values())
 
 
 @contextlib.contextmanager
-def tpu_kernels(ops, checker: LaunchChecker | None = None):
-    """Inside a FakeTensorMode: each op of ``ops`` (bridge ops) runs its ``tpu`` kernel instead of its fake.
+def no_cpu_tensors():
+    """Fail on any torch op that makes a CPU tensor: glue meant for `tpu` tensors must create its own
+    on their device (``torch.arange(n)`` without ``device=`` is a CPU tensor, and a copy to the device
+    or an error when mixed with device tensors)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
 
-    The dispatcher's choice for dispatch key PrivateUse1 is what runs: the bridge's kernel (int64 ->
-    int32 casts, then torch_tpu's op). Without ``checker`` torch_tpu's own fake computes that op's
-    outputs, exporting the kernel for TPU; with it, torch_tpu's eager path runs too (export,
-    fingerprint, registration) and the launch goes to ``checker``.
+    class NoCpuTensors(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                    raise AssertionError(f"{func} made a {t.dtype} tensor {tuple(t.shape)} on cpu")
+            return out
+
+    with NoCpuTensors():
+        yield
+
+
+@contextlib.contextmanager
+def tpu_kernels(ops, checker: LaunchChecker | None = None):
+    """Inside a FakeTensorMode: ops of ``ops`` run their ``tpu`` kernel instead of their fake.
+
+    What runs is the dispatcher's choice for dispatch key PrivateUse1. For a bridge op that is its
+    ``tpu`` kernel (int64 -> int32 casts, then torch_tpu's op ``tpu_op``). Without ``checker`` only
+    bridge ops are switched, and torch_tpu's own fakes compute what their ``tpu_op`` returns,
+    exporting the kernel for TPU. With a checker every op is switched, torch_tpu's ops included:
+    their eager path runs (export, fingerprint, registration) and each launch goes to ``checker``.
     """
-    swapped = list(ops) + ([op.tpu_op for op in ops] if checker is not None else [])
+    if checker is None:
+        swapped = [op for op in ops if hasattr(op, "tpu_op")]
+    else:
+        swapped = list(ops) + [op.tpu_op for op in ops if hasattr(op, "tpu_op")]
     keyset = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
     saved = [(op, op._abstract_fn) for op in swapped]
     try:
