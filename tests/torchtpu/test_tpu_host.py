@@ -61,7 +61,9 @@ def test_variants_kernels_alone_picks_universal_the_loader_picks_tpu(tmp_path):
     from pallas_hub.hub.manifest import ROOT
     from pallas_hub.hub.publish import LocalHub
 
-    spec = manifest.load_kernel(ROOT / "kernels" / "ragged_dot")
+    # the tooling's fixture kernel: importing a build of a kernel this process already loaded from
+    # another path would register its op names a second time
+    spec = manifest.load_kernel(ROOT / "tests" / "fixtures" / "scale_add")
     hub = LocalHub(tmp_path / "hub")
     hub.publish(spec, build_kernel(spec, tmp_path / "build"), progress=None)
     repo = spec.repo_id

@@ -148,6 +148,13 @@ def _interpret_mode():
     return pltpu.force_tpu_interpret_mode(True)
 
 
+def _as_jax_dtype(t: torch.Tensor) -> torch.Tensor:
+    """An int64 tensor as int32 on its own device: JAX runs without x64, so that is the dtype of the
+    kernel's parameter (on TorchTPU, torch_tpu would hand the launch the int64 tensor unconverted).
+    A device cast, no host sync; out-of-range values are refused on CPU only, where they are on the host."""
+    return t.to(torch.int32) if t.dtype == torch.int64 else t
+
+
 def to_jax(t: torch.Tensor):
     """A CPU torch tensor as something a jitted JAX function takes without copying it.
 
@@ -159,10 +166,10 @@ def to_jax(t: torch.Tensor):
     import jax
     import jax.numpy as jnp
 
-    if t.dtype == torch.int64:  # JAX runs without x64: indices travel as int32
-        if t.numel() and (t.max() > torch.iinfo(torch.int32).max or t.min() < torch.iinfo(torch.int32).min):
+    if t.dtype == torch.int64 and t.numel():
+        if t.max() > torch.iinfo(torch.int32).max or t.min() < torch.iinfo(torch.int32).min:
             raise ValueError(f"int64 values out of int32 range cannot be passed to a TPU kernel (got {tuple(t.shape)})")
-        t = t.to(torch.int32)
+    t = _as_jax_dtype(t)
     if t.numel() == 0:  # nothing to share
         return jnp.zeros(tuple(t.shape), dtype=jnp.dtype(dtype_name(t)))
     t = t.detach().contiguous()
@@ -240,13 +247,6 @@ def _on_torch_tpu_chip(fn: Callable) -> Callable:
             return fn(*args, **kwargs)
 
     return on_chip
-
-
-def _as_jax_dtype(t: torch.Tensor) -> torch.Tensor:
-    """An int64 tensor as int32 on its own device, as JAX (without x64) exports the kernel's
-    parameter; torch_tpu would hand the launch the int64 tensor unconverted. A device cast: no
-    host sync (values out of int32 range are checked on CPU only, where they are on the host)."""
-    return t.to(torch.int32) if t.dtype == torch.int64 else t
 
 
 def jax_op(
