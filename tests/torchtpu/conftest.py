@@ -72,8 +72,13 @@ if IN_TIER:
 
     if not torchtpu.available():
         collect_ignore_glob = ["test_*.py"]
-    else:
-        torchtpu.bring_up()  # as autoload does on a TPU host; before anything is traced
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tpu_device():
+    """TorchTPU's `tpu` device, brought up as its autoload does on a TPU host (no chip, no PJRT
+    client), before any test of the tier runs."""
+    return torchtpu.bring_up()
 
 
 class OnTPU:
