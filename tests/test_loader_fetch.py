@@ -85,7 +85,7 @@ def test_tampered_local_hub_is_refused_and_the_rest_stays_usable(hub, tmp_path):
     meta = json.loads(meta_file.read_text())
     del meta["digest"]
     meta_file.write_text(json.dumps(meta))
-    with pytest.raises(DigestMismatch, match="torch-tpu/metadata.json has no digest, so it cannot be verified"):
+    with pytest.raises(DigestMismatch, match="torch-tpu has a metadata.json with no digest, so it cannot be verified"):
         fetch(REPO, 1, trust=[REPO], source=hub)
     hub.publish(manifest.load_kernel(tmp_path / "src" / "double-tpu"), progress=None)  # republishing repairs it
     assert fetch(REPO, 1, trust=[REPO], source=hub).commit == commit
