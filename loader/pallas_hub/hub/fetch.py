@@ -199,6 +199,8 @@ class Hub:
             if _is_network_error(e):
                 raise as_hub_error(e, self.endpoint, FETCH_OFFLINE) from e
             raise HubError(f"{what}: download failed ({type(e).__name__}: {e}); nothing was kept") from e
+        for leftover in (self.cache_dir / repo_folder(repo_id) / "blobs").glob("*.incomplete"):
+            leftover.unlink(missing_ok=True)  # a killed download's part: never used again (under the lock)
         return Path(got)
 
     def pin(self, repo_id: str, version: int, commit: str) -> None:
@@ -528,8 +530,6 @@ def fetch(repo_id: str, version: int | None = None, *, trust: list[str] | tuple[
     when it names ``repo_id`` its commit and digest are used and enforced (no network needed).
     ``tpu``: load the ``torch-tpu`` variant (default: when running on TorchTPU).
     """
-    from kernels import get_kernel
-
     if problem := repo_id_problem(repo_id):
         raise InvalidRequest(problem)
     if isinstance(trust, str) or repo_id not in set(trust):
@@ -560,7 +560,6 @@ def fetch(repo_id: str, version: int | None = None, *, trust: list[str] | tuple[
     if not isinstance(commit, str) or not _COMMIT.fullmatch(commit):  # it becomes a cache path
         raise HubError(f"{repo_id}: {src} gave {commit!r} as the commit of v{version}; expected 40 hex digits")
     what = f"{repo_id}@{commit[:12]}"
-    tpu = on_torchtpu_host() if tpu is None else tpu
     with _ENV_LOCK, file_lock(src.cache_dir, repo_id):
         snapshot = src.snapshot(repo_id, commit)
         try:
@@ -580,6 +579,9 @@ def fetch(repo_id: str, version: int | None = None, *, trust: list[str] | tuple[
         except OSError as e:
             raise HubError(f"{what}: cannot remove bytecode from the verified snapshot ({e}); nothing was imported, "
                            "since Python would run it instead of the verified source") from None
+        from kernels import get_kernel  # (imports torch: only once there is something verified to load)
+
+        tpu = on_torchtpu_host() if tpu is None else tpu
         with _hub_settings(src.cache_dir, tpu):
             try:
                 if pinned is None:
