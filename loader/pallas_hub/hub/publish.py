@@ -8,6 +8,11 @@ The local hub is a Hugging Face cache folder (``kernels--<org>--<name>/refs/v<N>
 id, ``snapshots/<commit>/...`` holding the files), so ``kernels.get_kernel(repo, version=N)``
 resolves it offline with ``HF_HUB_CACHE`` pointed at it. Local commits are content hashes: publishing
 the same build twice changes nothing, and an older commit stays loadable for lock files that pin it.
+
+A publish reads the build under the build folder's lock and refuses any variant that does not
+verify against its own metadata (nothing partial is published). A local version is written in a
+staging folder, renamed into ``snapshots/`` and only then named by ``refs/v<N>``, all under a
+per-repository lock; whatever a killed publish left behind is removed by the next one.
 """
 
 from __future__ import annotations
