@@ -285,8 +285,8 @@ def test_zero_sizes_match_lax_ragged_dot(load_kernel, m, k, n, sizes, transposed
     np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))  # all zeros (or empty)
     assert da.shape == lhs.shape and dw.shape == rhs.shape and not np.asarray(da).any() and not np.asarray(dw).any()
     # the torch op, forward and autograd backward, gives the same
-    a = torch.from_numpy(np.asarray(lhs)).requires_grad_()
-    w = torch.from_numpy(np.asarray(rhs)).requires_grad_()
+    a = torch.from_numpy(np.array(lhs)).requires_grad_()
+    w = torch.from_numpy(np.array(rhs)).requires_grad_()
     t = kern.ragged_dot(a, w, torch.tensor(sizes, dtype=torch.int64), transposed)
     assert tuple(t.shape) == (m, n) and not t.any()
     t.sum().backward()
@@ -302,7 +302,7 @@ def test_group_sizes_take_every_integer_dtype_as_lax(load_kernel, dtype):
     with interpret("fast"):
         _close(kern.pallas.ragged_dot(lhs, rhs, gs, tile_m=16), ref, 1e-4)
     if dtype != "uint16":  # torch has uint16 only as a shell dtype (torch.tensor cannot build one)
-        out = kern.ragged_dot(torch.from_numpy(np.asarray(lhs)), torch.from_numpy(np.asarray(rhs)),
+        out = kern.ragged_dot(torch.from_numpy(np.array(lhs)), torch.from_numpy(np.array(rhs)),
                               torch.tensor([10, 0, 25], dtype=getattr(torch, dtype)))
         _close(out.numpy(), ref, 1e-4)
     with pytest.raises(ValueError, match="sum to 41, more than the 40 rows"):  # host values of every dtype checked

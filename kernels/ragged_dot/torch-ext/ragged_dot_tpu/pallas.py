@@ -399,7 +399,7 @@ def validate(lhs, rhs, group_sizes, rhs_transposed=False, out_dtype="", tile_m=0
             raise ValueError(f"group_sizes sum to {int(sizes.sum())}, more than the {m} rows of lhs")
 
 
-def is_empty(lhs, rhs) -> bool:
+def _is_empty(lhs, rhs) -> bool:
     """A zero-size ragged_dot (m, k, n or the number of groups is 0): the result is all zeros
     ([m, n], as jax.lax.ragged_dot), so no kernel runs (its blocks cannot be empty)."""
     return 0 in lhs.shape or 0 in rhs.shape
@@ -421,7 +421,7 @@ def ragged_dot_backward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, 
                         rhs_transposed: bool = False) -> tuple[jax.Array, jax.Array]:
     """(d lhs, d rhs) of ragged_dot: dlhs = the grouped matmul with rhs transposed (the other
     layout flag, same array), drhs = tgmm, in rhs's own layout. Runs in the input dtype."""
-    if is_empty(lhs, rhs):  # zero-size forward: its gradients are zero (or empty)
+    if _is_empty(lhs, rhs):  # zero-size forward: its gradients are zero (or empty)
         return jnp.zeros_like(lhs), jnp.zeros_like(rhs)
     group_sizes = group_sizes.astype(jnp.int32)
     dout = dout.astype(lhs.dtype)  # backward matmuls run in the input dtype, f32 accumulation
@@ -452,7 +452,7 @@ def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_trans
     """
     validate(lhs, rhs, group_sizes, rhs_transposed, out_dtype, tile_m, tile_n)
     cfg = (bool(rhs_transposed), out_dtype or dtype_name(lhs), int(tile_m), int(tile_n))
-    if is_empty(lhs, rhs):
+    if _is_empty(lhs, rhs):
         return jnp.zeros((lhs.shape[0], rhs.shape[1] if rhs_transposed else rhs.shape[2]), cfg[1])
     return _ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), cfg)
 
