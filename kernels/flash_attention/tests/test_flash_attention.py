@@ -184,7 +184,9 @@ def test_zero_sizes_give_empty_or_zero_outputs(fa, b, hq, sq, sk, use_sinks):
     assert out.shape == q.shape and lse.shape == q.shape[:3] and not np.asarray(out).any()
     for g, x in zip(grads, (q, k, v, sinks)):
         assert g.shape == x.shape and not np.asarray(g).any()
-    if b and hq and sq:  # Sk = 0: compare the lse with all keys padded out of an 8-key sequence
+    if b and hq and sq and not use_sinks:  # Sk = 0, no sinks: the lse of an empty row
+        np.testing.assert_array_equal(np.asarray(lse), np.float32(fa.attention_math.MASK_VALUE))
+    if b and hq and sq and use_sinks:  # Sk = 0: compare the lse with all keys padded out of an 8-key sequence
         k8, v8 = _inputs(b, hq, hkv, sq, 8, 64)[1:3]
         with interpret("fast"):
             ref_out, ref_lse = fa.pallas.flash_attention_with_lse(q, k8, v8, sinks, jnp.zeros((b, 3), jnp.int32)
@@ -228,7 +230,8 @@ def test_seq_values_are_checked_on_the_host_and_clamped_on_device(fa):
 
 
 def test_torch_op_default_scale_is_head_dim_rsqrt(fa):
-    """``attention`` without ``scale`` uses head_dim**-0.5, as the JAX function (forward and backward)."""
+    """``attention`` without ``scale`` uses head_dim**-0.5 (was 1.0), forward and backward; the JAX
+    function behind the op resolves the default, so JAX callers get the same."""
     q, k, v, _ = _inputs(1, 4, 2, 16, 16, 64)
     tq, tk, tv = (torch.from_numpy(np.array(x)).requires_grad_() for x in (q, k, v))
     out, _ = fa.attention(tq, tk, tv)
@@ -239,9 +242,6 @@ def test_torch_op_default_scale_is_head_dim_rsqrt(fa):
     want = torch.autograd.grad((ref * w).sum(), (tq, tk, tv))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=GRAD_TOL, rtol=GRAD_TOL)
-    with interpret("fast"):
-        jax_out = fa.pallas.flash_attention(q, k, v, chip="")
-    np.testing.assert_allclose(np.asarray(jax_out), out.detach().numpy(), atol=F32_TOL, rtol=F32_TOL)
 
 
 # --------------------------------------------------------------------------- strict interpreter
