@@ -1,7 +1,8 @@
 """paged-attention-tpu: ragged paged attention (continuous batching) as a Pallas TPU kernel.
 
-* ``ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=, window=0,
-  softcap=0.0, block_q=0, block_kv=512)``: torch op; see ``pallas.ragged_paged_attention`` for layouts.
+* ``ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=0.0, window=0,
+  softcap=0.0, block_q=0, block_kv=512)``: torch op (scale 0.0 = head_dim**-0.5); see
+  ``pallas.ragged_paged_attention`` for layouts.
 * ``write_kv(...)`` -> (k_pages', v_pages'): functional torch op writing new tokens into their pages
   (the JAX kernel aliases the cache: in place under jit with donation); ``write_kv_`` updates the
   torch caches in place (on CPU: zero-copy in, one ``copy_`` of each cache out).
@@ -17,7 +18,7 @@ from ._ops import add_op_namespace_prefix
 from .transformers_cb import CB_NAME, enable_continuous_batching, paged_attention_forward
 
 
-def _fake_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=1.0, window=0,
+def _fake_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=0.0, window=0,
                     softcap=0.0, block_q=0, block_kv=512):
     return torch.empty_like(q)
 
