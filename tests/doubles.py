@@ -90,3 +90,12 @@ def make_kernel(root: Path, name: str = "double-tpu", *, version: int = 1, org: 
     (pkg / "__init__.py").write_text(source or DOUBLE_SOURCE.replace("@MARK@", repr(mark)).replace("@REGISTRATIONS@", repr(regs)))
     (path / "CARD.md").write_text(f"# {name}\n\nA test double.\n")
     return path
+
+
+def build_double(root: Path, **kw):
+    """``make_kernel(root, **kw)``, loaded and built (``build/`` beside its sources); the KernelSpec."""
+    from pallas_hub.hub import build, manifest
+
+    spec = manifest.load_kernel(make_kernel(root, **kw))
+    build.build_kernel(spec)
+    return spec

@@ -8,6 +8,12 @@ GET /api/kernels/{id}/refs, GET /api/kernels/{id}/tree/{rev}[/{path}], POST /api
 POST /api/kernels/{id}/commit/{rev} (ndjson, base64 "file" and "deletedFile" lines),
 GET /api/kernels/{id}/revision/{rev}, POST /api/validate-yaml, GET /api/organizations/{org}/overview,
 HEAD/GET /kernels/{id}/resolve/{rev}/{path}.
+
+Misbehaviour on demand, to test the client against a hostile or failing server: ``tamper`` (other
+bytes, consistent ETag), ``etags`` / ``commit_headers`` (crafted ETag or X-Repo-Commit headers),
+``gone`` (a listed file answers 404), ``broken`` (the body never comes), ``hold`` / ``half``
+(requests wait, before any byte or after half the body, until the entry is removed: a client can be
+killed at a known point), ``require_token`` (writes without a token get 401, as on the Hub).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlparse
 
@@ -31,10 +38,17 @@ class FakeHub:
         self.requests: list[tuple[str, str]] = []
         self.tamper: dict[str, bytes] = {}  # path in repo -> bytes served instead (with a matching ETag)
         self.broken: set[str] = set()  # path suffixes whose download is cut off mid-body
+        self.etags: dict[str, str] = {}  # path in repo -> ETag header sent instead (raw header value)
+        self.commit_headers: dict[str, str] = {}  # path in repo -> X-Repo-Commit header sent instead
+        self.gone: set[str] = set()  # paths listed in the tree whose download answers 404
+        self.hold: set[str] = set()  # URL path prefixes whose requests wait (no byte sent) while listed
+        self.half: set[str] = set()  # path suffixes whose GET sends half the body, then waits while listed
+        self.waiting: list[str] = []  # requests that reached a hold or half (a client may now be killed)
+        self.require_token = False
         self.lock = threading.Lock()
         self._n = 0
         handler = type("Handler", (_Handler,), {"hub": self})
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+        self.server = _Server(("127.0.0.1", 0), handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
@@ -43,8 +57,16 @@ class FakeHub:
         return self
 
     def __exit__(self, *exc):
+        self.hold.clear()
+        self.half.clear()
         self.server.shutdown()
         self.server.server_close()
+
+    def wait_while(self, entries: set[str], key: str, path: str, timeout: float = 120.0) -> None:
+        self.waiting.append(path)
+        deadline = time.monotonic() + timeout
+        while key in entries and time.monotonic() < deadline:
+            time.sleep(0.02)
 
     def _new_commit(self, tree: dict[str, bytes]) -> str:
         self._n += 1
@@ -63,6 +85,13 @@ class FakeHub:
 
     def files(self, repo_id: str, rev: str) -> dict[str, bytes]:
         return self.repos[repo_id]["commits"][self.resolve(repo_id, rev)]
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        pass  # a client killed mid-request is part of the tests
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -104,6 +133,15 @@ class _Handler(BaseHTTPRequestHandler):
         path, query = unquote(url.path), parse_qs(url.query)
         hub = self.hub
         hub.requests.append((method, path))
+        held = next((prefix for prefix in list(hub.hold) if path.startswith(prefix)), None)
+        if held is not None:
+            hub.wait_while(hub.hold, held, path)
+        if method == "POST" and hub.require_token and not self.headers.get("Authorization"):
+            self._body()
+            return self._error(401, "Unauthorized", "Invalid username or password.")
+        m = re.fullmatch(r"/kernels/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
+        if m:  # file downloads only read, and may wait (half): outside the lock
+            return self._resolve(method, m.group(1), m.group(2), m.group(3))
         with hub.lock:
             if method == "POST" and path == "/api/repos/create":
                 return self._create_repo(json.loads(self._body()))
@@ -119,9 +157,6 @@ class _Handler(BaseHTTPRequestHandler):
                 if repo_id not in hub.repos:
                     return self._error(404, "RepoNotFound", f"Repository {repo_id} not found")
                 return getattr(self, f"_{action}")(method, repo_id, rest, query)
-            m = re.fullmatch(r"/kernels/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
-            if m:
-                return self._resolve(method, m.group(1), m.group(2), m.group(3))
         self._error(404, "NotFound", f"no route {method} {path}")
 
     def _create_repo(self, payload: dict):
@@ -214,10 +249,25 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(404, "RepoNotFound" if repo_id not in self.hub.repos else "RevisionNotFound",
                                f"{repo_id}@{rev} not found")
         files = self.hub.repos[repo_id]["commits"][sha]
-        if path not in files:
-            return self._error(404, "EntryNotFound", f"{path} does not exist on {rev}")
+        commit = self.hub.commit_headers.get(path, sha)
+        if path not in files or path in self.hub.gone:
+            return self._send(404, {"error": f"{path} does not exist on {rev}"},
+                              {"X-Error-Code": "EntryNotFound", "X-Repo-Commit": commit})
         data = self.hub.tamper.get(path, files[path])
-        headers = {"X-Repo-Commit": sha, "ETag": f'"{git_blob_id(data)}"', "Content-Type": "application/octet-stream"}
+        headers = {"X-Repo-Commit": commit, "ETag": self.hub.etags.get(path, f'"{git_blob_id(data)}"'),
+                   "Content-Type": "application/octet-stream"}
+        half = next((s for s in list(self.hub.half) if path.endswith(s)), None)
+        if method == "GET" and half is not None:  # half the body, then wait (the client is killed meanwhile)
+            self.send_response(200)
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data[: len(data) // 2])
+            self.wfile.flush()
+            self.hub.wait_while(self.hub.half, half, path)
+            self.close_connection = True
+            return
         if method == "GET" and any(path.endswith(b) for b in self.hub.broken):  # announce a body, hang up
             self.send_response(200)
             for k, v in headers.items():

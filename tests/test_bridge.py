@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 
@@ -101,6 +102,41 @@ def test_devices_are_checked_by_name():
         bridge.check_devices({"x": cpu, "y": meta}, allow_meta=True)
     with pytest.raises(TypeError, match="y must be a torch.Tensor"):
         bridge.check_devices({"x": cpu, "y": [1.0]})
+
+
+class _ArrayLike:
+    """Something with .shape and .dtype that is no array (as a qwix QArray, which also has .qvalue)."""
+
+    shape, dtype = (2, 3), jnp.float32
+
+    def __init__(self, quantized):
+        if quantized:
+            self.qvalue = jnp.zeros(self.shape, jnp.int8)
+
+
+def test_check_array_takes_arrays_and_refuses_array_likes_by_name():
+    for x in (torch.zeros(2, 3), jnp.zeros((2, 3)), np.zeros((2, 3), np.float32), jax.ShapeDtypeStruct((2, 3), jnp.float32)):
+        bridge.check_array("x", x, dtypes=("float32",), ndim=2)
+    jax.jit(lambda a: bridge.check_array("x", a, dtypes=("float32",), ndim=2))(jnp.zeros((2, 3)))  # tracers too
+    with pytest.raises(TypeError, match=r"w is a test_bridge _ArrayLike; this kernel takes a plain jax.Array or "
+                                        r"torch.Tensor \(quantized arrays are not supported yet"):
+        bridge.check_array("w", _ArrayLike(quantized=True))
+    with pytest.raises(TypeError, match=r"w is a test_bridge _ArrayLike; this kernel takes a plain jax.Array or torch.Tensor$"):
+        bridge.check_array("w", _ArrayLike(quantized=False))
+    with pytest.raises(TypeError, match=r"w is a list;"):
+        bridge.check_array("w", [1.0, 2.0])
+
+
+def test_host_values_reads_only_what_is_already_on_the_host():
+    np.testing.assert_array_equal(bridge.host_values(torch.tensor([1, 2], dtype=torch.uint32)), [1, 2])
+    np.testing.assert_array_equal(bridge.host_values(jnp.array([3, 4])), [3, 4])
+    np.testing.assert_array_equal(bridge.host_values(np.array([5])), [5])
+    assert bridge.host_values(torch.zeros(2, device="meta")) is None
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        assert bridge.host_values(torch.zeros(2)) is None  # torch.compile / FakeTensor: no data
+    seen = []
+    jax.jit(lambda a: seen.append(bridge.host_values(a)))(jnp.zeros(2))
+    assert seen == [None]  # a tracer: the values exist only on device
 
 
 def test_with_torch_tpu_installed_the_op_fronts_torch_tpus_real_jax_op():

@@ -38,12 +38,38 @@ def _kernel(tmp_path, text):
     (("[torch-noarch]\n", ""), "missing table [torch-noarch]"),
     (("repo-id = \"org/ok-tpu\"", "repo-id = \"ok-tpu\""), "must look like 'org/name'"),
     (("edition = 5", "edition = [5"), "not valid TOML"),
+    # each of these passed build and publish, and failed every fetch later
+    (("backends = [\"tpu\"]", "backends = [\"tpu\"]\nupstream = 5"), "'upstream' must be a string"),
+    (("org/ok-tpu", "org/ok--tpu"), "is not valid on the Hub: Cannot have -- or .. in repo_id"),
+    (("org/ok-tpu", "org--ok/tpu"), "is not valid on the Hub"),  # would share a cache folder with org/ok--tpu
+    (("org/ok-tpu", "org/ok..tpu"), "is not valid on the Hub"),
 ])
 def test_bad_build_toml_is_refused_with_the_field_named(tmp_path, change, message):
     manifest.load_kernel(_kernel(tmp_path / "good", GOOD))  # the unchanged file is accepted
     with pytest.raises(manifest.ManifestError, match=None) as e:
         manifest.load_kernel(_kernel(tmp_path / "bad", GOOD.replace(*change)))
     assert message in str(e.value) and "build.toml" in str(e.value)
+
+
+def test_an_upstream_that_kernels_refuses_fails_the_build_not_the_fetch(tmp_path):
+    spec = manifest.load_kernel(_kernel(tmp_path, GOOD.replace('backends = ["tpu"]', 'backends = ["tpu"]\nupstream = "x"')))
+    with pytest.raises(manifest.ManifestError, match=r"build.toml: kernels refuses the metadata built from it: .*"
+                                                     r"invalid git URL `x`"):
+        build.build_kernel(spec)
+    assert not (spec.path / "build" / "torch-tpu").exists()
+
+
+@pytest.mark.parametrize("kernels_table, message", [
+    ('[kernels."../x"]\npath = "k"\n', r"kernel key '../x' must be lowercase letters"),  # `check` built into tmp/../x
+    ('[kernels.k]\npath = "../outside"\n', r"path '../outside' must be a folder inside"),
+    ('[kernels.k]\npath = "/tmp"\n', r"path '/tmp' must be a folder inside"),
+    ('[kernels]\nk = "k"\n', r"\[kernels.k\]: must be a table"),
+])
+def test_manifest_keys_and_paths_cannot_leave_the_repository(tmp_path, kernels_table, message):
+    _kernel(tmp_path / "k", GOOD.replace("org/", "pallas-hub-tests/"))
+    (tmp_path / "build.toml").write_text('[hub]\nnamespace = "pallas-hub-tests"\n' + kernels_table)
+    with pytest.raises(manifest.ManifestError, match=message):
+        manifest.load_manifest(tmp_path)
 
 
 def test_manifest_kernel_outside_the_namespace_is_refused(tmp_path):

@@ -8,9 +8,9 @@ import types
 import pytest
 import torch
 from fakehub import FakeHub
-from doubles import make_kernel
+from doubles import build_double
 
-from pallas_hub.hub import build, fetch as fetch_mod, manifest
+from pallas_hub.hub import fetch as fetch_mod, manifest
 from pallas_hub.hub.fetch import (DigestMismatch, Hub, HubError, HubUnreachable, LockMismatch, NoVariant, UntrustedRepo,
                               VersionNotFound, fetch, read_lock, write_lock)
 from pallas_hub.hub.publish import LocalHub, publish_hub
@@ -19,17 +19,12 @@ REPO = "pallas-hub-tests/double-tpu"
 OTHER = "pallas-hub-tests/other-tpu"
 
 
-def _built(root, **kw):
-    spec = manifest.load_kernel(make_kernel(root, **kw))
-    build.build_kernel(spec)
-    return spec
-
 
 @pytest.fixture
 def hub(tmp_path):
     hub = LocalHub(tmp_path / "hub")
-    hub.publish(_built(tmp_path / "src"), progress=None)
-    hub.publish(_built(tmp_path / "src", name="other-tpu"), progress=None)
+    hub.publish(build_double(tmp_path / "src"), progress=None)
+    hub.publish(build_double(tmp_path / "src", name="other-tpu"), progress=None)
     return hub
 
 
@@ -38,7 +33,7 @@ def fake(tmp_path):
     from huggingface_hub import HfApi
 
     with FakeHub() as fake:
-        fake.spec = _built(tmp_path / "remote-src")
+        fake.spec = build_double(tmp_path / "remote-src")
         fake.commit = publish_hub(fake.spec, api=HfApi(endpoint=fake.url, token="hf_fake"), progress=None)
         yield fake
 
@@ -49,7 +44,7 @@ def _snapshots(cache):
 
 def test_untrusted_repo_is_refused_with_how_to_trust_it(tmp_path):
     hub = LocalHub(tmp_path / "hub")
-    spec = _built(tmp_path / "src", mark=str(tmp_path))  # unique code, so a unique module id
+    spec = build_double(tmp_path / "src", mark=str(tmp_path))  # unique code, so a unique module id
     hub.publish(spec, progress=None)
     module_id = json.loads((spec.path / "build" / "torch-universal" / "metadata.json").read_text())["id"]
     for trust in ([], [OTHER], ["pallas-hub-tests/double"], REPO):  # exact repo ids only; a bare string is not a list
@@ -60,7 +55,7 @@ def test_untrusted_repo_is_refused_with_how_to_trust_it(tmp_path):
 
 
 def test_missing_version_lists_the_versions_that_exist(hub, tmp_path, fake):
-    hub.publish(_built(tmp_path / "v3", version=3), progress=None)
+    hub.publish(build_double(tmp_path / "v3", version=3), progress=None)
     with pytest.raises(VersionNotFound, match=r"version 2 not found in local hub .*; versions there: v1, v3"):
         fetch(REPO, 2, trust=[REPO], source=hub)
     with pytest.raises(VersionNotFound, match=r"versions there: v1$"):  # (before v9 is added below)
@@ -85,7 +80,7 @@ def test_tampered_local_hub_is_refused_and_the_rest_stays_usable(hub, tmp_path):
     meta = json.loads(meta_file.read_text())
     del meta["digest"]
     meta_file.write_text(json.dumps(meta))
-    with pytest.raises(DigestMismatch, match="torch-tpu/metadata.json has no digest, so it cannot be verified"):
+    with pytest.raises(DigestMismatch, match="torch-tpu has a metadata.json with no digest, so it cannot be verified"):
         fetch(REPO, 1, trust=[REPO], source=hub)
     hub.publish(manifest.load_kernel(tmp_path / "src" / "double-tpu"), progress=None)  # republishing repairs it
     assert fetch(REPO, 1, trust=[REPO], source=hub).commit == commit
@@ -139,7 +134,7 @@ def test_network_down_gives_a_clear_error_and_writes_nothing(fake, tmp_path, mon
 def test_a_variant_that_does_not_fit_the_host_names_the_variants(tmp_path, monkeypatch):
     import shutil
 
-    spec = _built(tmp_path / "src")
+    spec = build_double(tmp_path / "src")
     shutil.rmtree(spec.path / "build" / "torch-universal")  # a TPU-only upload
     hub = LocalHub(tmp_path / "hub")
     hub.publish(spec, progress=None)
@@ -204,7 +199,7 @@ def test_a_lock_file_pins_commit_and_digest_and_is_honoured_offline(hub, fake, t
     assert entry == {"repo_id": REPO, "version": 1, "commit": first.commit, "digest": first.digest}
 
     # v1 is republished with other code: the lock still loads the commit it pinned
-    hub.publish(_built(tmp_path / "changed", mark="changed"), progress=None)
+    hub.publish(build_double(tmp_path / "changed", mark="changed"), progress=None)
     assert fetch(REPO, 1, trust=[REPO], source=hub).module.VERSION_MARK == "changed"
     pinned = fetch(REPO, trust=[REPO], source=hub, lock=read_lock(lock))
     assert (pinned.commit, pinned.module.VERSION_MARK) == (first.commit, "a")

@@ -62,13 +62,16 @@ def test_publish_to_the_hub_api_and_download_back_through_kernels_get_kernel(ker
         assert sum(1 for m, p in fake.requests if p.endswith("/commit/v1")) == n_commits
         assert "up to date" in capsys.readouterr().out
 
-        # a file gone from the build disappears from the branch; a changed one is re-uploaded
-        (kernel.path / "build" / "torch-tpu" / "double_tpu" / "__init__.py").unlink()
+        # a file gone from the build disappears from the branch; a new one is uploaded
+        extra = kernel.source / "extra.py"
+        extra.write_text("X = 1\n")
+        build.build_kernel(kernel)
         publish_hub(kernel, api=api)
-        assert "build/torch-tpu/double_tpu/__init__.py" not in fake.files(REPO, "v1")
+        assert "build/torch-tpu/extra.py" in fake.files(REPO, "v1")
+        extra.unlink()
         build.build_kernel(kernel)
         commit = publish_hub(kernel, api=api)
-        assert fake.files(REPO, "v1") == version_files(kernel)
+        assert "build/torch-tpu/extra.py" not in fake.files(REPO, "v1") and fake.files(REPO, "v1") == version_files(kernel)
 
         # the real kernels client, online, against the loopback Hub (HF_ENDPOINT is read at import: patch)
         monkeypatch.setattr(constants, "ENDPOINT", fake.url)

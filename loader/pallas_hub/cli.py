@@ -12,6 +12,19 @@ from .hub import manifest as mf
 FIXTURE = mf.ROOT / "tests" / "fixtures" / "scale_add"
 
 
+class UsageError(ValueError):
+    """A command line that cannot work as given; the message says how to fix it."""
+
+
+def _manifest_hint(name: str) -> str:
+    """For a manifest kernel key or name given where a repo id belongs: which repo id was meant."""
+    try:
+        spec = mf.load_manifest().select([name])[0]
+    except (mf.ManifestError, OSError):
+        return ""
+    return f"; {name!r} is the manifest's kernel {spec.key}: fetch it as {spec.repo_id}"
+
+
 def _specs(args) -> list[mf.KernelSpec]:
     if getattr(args, "path", None):
         return [mf.load_kernel(Path(p)) for p in args.path]
@@ -68,7 +81,12 @@ def cmd_fetch(args) -> int:
     from .hub.session import load
 
     if not args.repos and not args.lock:
-        raise mf.ManifestError("give repo ids (org/name) or --lock FILE")
+        raise UsageError("fetch needs repo ids (org/name) or --lock FILE")
+    if args.version is None and not args.lock:
+        raise UsageError("fetch needs --version N (the Hub branch vN), or --lock FILE to fetch what a lock file pins")
+    for repo in args.repos:
+        if problem := mf.repo_id_problem(repo):
+            raise UsageError(problem + _manifest_hint(repo))
     repos = args.repos or list(read_lock(args.lock))
     with load(repos, version=args.version, trust=args.trust or [], source=_hub(args), lock=args.lock,
               write_lock_to=args.write_lock, do_register=False) as loaded:
@@ -132,16 +150,23 @@ def cmd_bench(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pallas-hub", description=__doc__)
+    debug_help = "on failure, show the traceback too"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
+    common = argparse.ArgumentParser(add_help=False)  # --debug also after the command
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    def command(name, **kw):
+        return sub.add_parser(name, parents=[common], **kw)
 
     def kernel_args(p):
         p.add_argument("kernels", nargs="*", help="kernel keys or Hub names from build.toml (default: all)")
         p.add_argument("--path", action="append", help="a kernel folder outside the manifest (repeatable)")
 
-    p = sub.add_parser("build", help="build kernels into kernels/<name>/build/{torch-tpu,torch-universal}")
+    p = command("build", help="build kernels into kernels/<name>/build/{torch-tpu,torch-universal}")
     kernel_args(p)
     p.set_defaults(fn=cmd_build)
-    p = sub.add_parser("check", help="compile every declared configuration for each TPU generation")
+    p = command("check", help="compile every declared configuration for each TPU generation")
     kernel_args(p)
     p.add_argument("--chips", help="comma-separated subset of v5e,v6e,tpu7x")
     p.set_defaults(fn=cmd_check)
@@ -151,12 +176,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--hub", action="store_true", help=remote_help)
         p.add_argument("--endpoint", help="a Hub endpoint other than huggingface.co (implies --hub)")
 
-    p = sub.add_parser("publish", help="build, then publish to the local hub (default) or the Hub (--hub)")
+    p = command("publish", help="build, then publish to the local hub (default) or the Hub (--hub)")
     kernel_args(p)
     hub_args(p, "upload to the Hugging Face Hub (repo type kernel; needs a write token)")
     p.add_argument("--private", action="store_true", default=None, help="create the Hub repository private")
     p.set_defaults(fn=cmd_publish)
-    p = sub.add_parser("fetch", help="fetch and verify kernels through kernels.get_kernel, optionally lock them")
+    p = command("fetch", help="fetch and verify kernels through kernels.get_kernel, optionally lock them")
     p.add_argument("repos", nargs="*", help="repo ids org/name")
     p.add_argument("--version", type=int, help="the version (branch v<N>) to fetch")
     p.add_argument("--trust", action="append", help="a repo id you trust (repeatable); nothing is trusted by default")
@@ -164,33 +189,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write-lock", help="write what was fetched to this lock file")
     hub_args(p, "fetch from the Hugging Face Hub instead of the local hub")
     p.set_defaults(fn=cmd_fetch)
-    p = sub.add_parser("list", help="the manifest's kernels: built, published (local hub; --hub for the Hub), versions")
+    p = command("list", help="the manifest's kernels: built, published (local hub; --hub for the Hub), versions")
     hub_args(p, "also list the versions on the Hugging Face Hub")
     p.set_defaults(fn=cmd_list)
-    p = sub.add_parser("bench", help="ours beside the anchors on real model shapes (TPU cost model), checks, bridge overhead")
+    p = command("bench", help="ours beside the anchors on real model shapes (TPU cost model), checks, bridge overhead")
     p.add_argument("--families", help="comma-separated subset of moe,prefill,decode")
     p.add_argument("--no-bridge", action="store_true", help="skip the bridge overhead measurement")
     p.add_argument("--no-xla", action="store_true", help="skip the XLA:TPU matmul comparison")
     p.add_argument("--path", action="append", help="one of our kernel folders to bench instead of the manifest's (repeatable)")
     p.set_defaults(fn=cmd_bench)
-    p = sub.add_parser("demo", help="the main job (see README)")
+    p = command("demo", help="the main job (see README)")
     p.add_argument("--local-hub", type=Path, help="the local hub folder to publish to and fetch from")
     p.add_argument("--no-compile", action="store_true", help="skip the TPU compile matrix")
     p.set_defaults(fn=cmd_demo)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
-    except (mf.ManifestError, FileNotFoundError) as e:
-        print(f"pallas-hub: {e}", file=sys.stderr)
-        return 2
     except Exception as e:
+        from .hub.build import VariantError
         from .hub.fetch import HubError
         from .hub.register import RegistrationError
 
-        if not isinstance(e, (HubError, RegistrationError)):
+        # documented failures: one line with the reason and the remedy (--debug: the traceback too)
+        if args.debug or not isinstance(e, (UsageError, mf.ManifestError, VariantError, OSError, HubError,
+                                            RegistrationError)):
             raise
-        print(f"pallas-hub: {e}", file=sys.stderr)
-        return 1
+        print(f"pallas-hub: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1 if isinstance(e, (HubError, RegistrationError)) else 2
 
 
 if __name__ == "__main__":

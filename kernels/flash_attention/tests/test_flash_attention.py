@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 
 from pallas_hub.verify import compile_for_tpu, interpret
 
@@ -163,6 +164,84 @@ def test_bad_input_errors_name_the_argument(fa):
     for args, kw, exc, msg in cases:
         with pytest.raises(exc, match=msg):
             P.flash_attention(*args, chip="", **kw)
+
+
+# --------------------------------------------------------------------------- zero sizes, seq values, default scale
+
+@pytest.mark.parametrize("b,hq,sq,sk", [(0, 4, 8, 8), (1, 4, 0, 8), (1, 0, 8, 8), (2, 4, 8, 0)],
+                         ids=["batch=0", "Sq=0", "Hq=0", "Sk=0"])
+@pytest.mark.parametrize("use_sinks", [False, True], ids=["", "sinks"])
+def test_zero_sizes_give_empty_or_zero_outputs(fa, b, hq, sq, sk, use_sinks):
+    """No query row: an empty output. No key: zeros, and the lse of a row with nothing to attend
+    (the same as the kernel gives a sequence whose keys are all padding)."""
+    hkv = 2
+    q, k, v, sinks = _inputs(b, max(hq, hkv), hkv, sq, sk, 64)
+    q, sinks = q[:, :hq], (sinks[:hq] if use_sinks else None)
+    with interpret("fast"):
+        out, lse = fa.pallas.flash_attention_with_lse(q, k, v, sinks, chip="")
+        grads = jax.grad(lambda *a: fa.pallas.flash_attention(*a, chip="").sum(), (0, 1, 2, 3) if use_sinks else (0, 1, 2))(
+            q, k, v, *(() if sinks is None else (sinks,)))
+    assert out.shape == q.shape and lse.shape == q.shape[:3] and not np.asarray(out).any()
+    for g, x in zip(grads, (q, k, v, sinks)):
+        assert g.shape == x.shape and not np.asarray(g).any()
+    if b and hq and sq and not use_sinks:  # Sk = 0, no sinks: the lse of an empty row
+        np.testing.assert_array_equal(np.asarray(lse), np.float32(fa.attention_math.MASK_VALUE))
+    if b and hq and sq and use_sinks:  # Sk = 0: compare the lse with all keys padded out of an 8-key sequence
+        k8, v8 = _inputs(b, hq, hkv, sq, 8, 64)[1:3]
+        with interpret("fast"):
+            ref_out, ref_lse = fa.pallas.flash_attention_with_lse(q, k8, v8, sinks, jnp.zeros((b, 3), jnp.int32)
+                                                                  .at[:, 2].set(sq), chip="")
+        np.testing.assert_array_equal(np.asarray(ref_out), 0)
+        np.testing.assert_array_equal(np.asarray(lse), np.asarray(ref_lse))
+    # the torch op, forward and backward
+    tq, tk, tv = (torch.from_numpy(np.array(x)).requires_grad_() for x in (q, k, v))
+    tout, tlse = fa.attention(tq, tk, tv, None if sinks is None else torch.from_numpy(np.array(sinks)))
+    assert tuple(tout.shape) == q.shape and tuple(tlse.shape) == q.shape[:3] and not tout.any()
+    tout.sum().backward()
+    assert all(t.grad.shape == t.shape and not t.grad.any() for t in (tq, tk, tv))
+
+
+BAD_SEQ = [  # (kv_start, kv_end, q_len) of the second sequence, q/k of 8 rows/keys; the error
+    ((0, 9, 8), r"seq\[1\] = \(kv_start=0, kv_end=9, q_len=8\): kv_end exceeds the 8 keys"),
+    ((5, 3, 3), r"kv_start must be in \[0, kv_end\]"),
+    ((-1, 8, 8), r"kv_start must be in \[0, kv_end\]"),
+    ((0, 8, 9), r"q_len must be in \[0, Sq=8\]"),
+    ((0, 8, -1), r"q_len must be in \[0, Sq=8\]"),
+]
+
+
+def test_seq_values_are_checked_on_the_host_and_clamped_on_device(fa):
+    """As paged attention: values on the host (concrete arrays, CPU tensors) are refused by name;
+    under jit (no values without a host sync) they are clamped into range."""
+    q, k, v, _ = _inputs(len(BAD_SEQ), 4, 2, 8, 8, 64)
+    good = [0, 8, 8]
+    for bad, message in BAD_SEQ:
+        seq = jnp.array([good, bad] + [good] * (len(BAD_SEQ) - 2), jnp.int32)
+        with pytest.raises(ValueError, match=message):
+            fa.pallas.flash_attention(q, k, v, seq=seq, chip="")
+        with pytest.raises(ValueError, match=message):
+            fa.attention(*(torch.from_numpy(np.array(x)) for x in (q, k, v)), seq=torch.tensor(np.array(seq)))
+    seq = jnp.array([bad for bad, _ in BAD_SEQ], jnp.int32)
+    with interpret("fast"):
+        traced = jax.jit(lambda seq: fa.pallas.flash_attention(q, k, v, seq=seq, chip=""))(seq)
+    clamped = jnp.array([[0, 8, 8], [3, 3, 3], [0, 8, 8], [0, 8, 8], [0, 8, 0]], jnp.int32)  # into range by hand
+    ref = fa.pallas.reference(q, k, v, None, clamped)
+    np.testing.assert_allclose(np.asarray(traced), np.asarray(ref), atol=F32_TOL, rtol=F32_TOL)
+
+
+def test_torch_op_default_scale_is_head_dim_rsqrt(fa):
+    """``attention`` without ``scale`` uses head_dim**-0.5 (was 1.0), forward and backward; the JAX
+    function behind the op resolves the default, so JAX callers get the same."""
+    q, k, v, _ = _inputs(1, 4, 2, 16, 16, 64)
+    tq, tk, tv = (torch.from_numpy(np.array(x)).requires_grad_() for x in (q, k, v))
+    out, _ = fa.attention(tq, tk, tv)
+    ref = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, enable_gqa=True)  # scale D**-0.5
+    torch.testing.assert_close(out, ref, atol=F32_TOL, rtol=F32_TOL)
+    w = torch.randn(out.shape)
+    got = torch.autograd.grad((out * w).sum(), (tq, tk, tv))
+    want = torch.autograd.grad((ref * w).sum(), (tq, tk, tv))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=GRAD_TOL, rtol=GRAD_TOL)
 
 
 # --------------------------------------------------------------------------- strict interpreter

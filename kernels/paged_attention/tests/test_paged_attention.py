@@ -210,6 +210,81 @@ def test_write_kv_in_place_writes_the_new_rows_only(load_kernel, index_dtype):
     assert torch.equal(kc, before)
 
 
+def _torch(*arrays):
+    return [None if a is None else torch.from_numpy(np.array(a)) for a in arrays]
+
+
+def test_write_kv_refuses_two_new_tokens_in_one_cache_slot(load_kernel):
+    """Two sequences mapping a new token to the same (page, row) used to race, the last writer
+    winning silently; on the host this is refused (JAX function, torch op, write_kv_). Sharing a
+    page for reading (a common prefix) while writing different rows stays fine."""
+    k = load_kernel("paged_attention")
+    kp = jnp.asarray(np.random.default_rng(0).standard_normal((4, 16, 2, 64)), jnp.float32)
+    new = jnp.ones((3, 2, 64), jnp.float32)
+    table = jnp.array([[1, 2], [3, 2]], jnp.int32)  # both sequences' second page is page 2
+    cu = jnp.array([0, 1, 3], jnp.int32)
+    clash = jnp.array([18, 19], jnp.int32)  # seq 0 writes position 17, seq 1 positions 17 and 18: page 2 row 1 twice
+    message = r"new tokens 0 \(sequence 0\) and 1 \(sequence 1\) are both written to page 2, row 1"
+    with pytest.raises(ValueError, match=message):
+        k.pallas.write_kv(kp, kp, new, new, clash, table, cu)
+    kc, vc, tn, tlens, ttable, tcu = _torch(kp, kp, new, clash, table, cu)
+    with pytest.raises(ValueError, match=message):
+        k.write_kv(kc, vc, tn, tn, tlens, ttable, tcu)
+    with pytest.raises(ValueError, match=message):
+        k.write_kv_(kc, vc, tn, tn, tlens, ttable, tcu)
+    np.testing.assert_array_equal(kc.numpy(), np.asarray(kp))  # nothing was written
+    with pytest.raises(ValueError, match=r"new tokens 0 \(sequence 0\) and 16 \(sequence 0\) are both written to "
+                                         r"page 1, row 0"):  # one sequence whose table repeats a page
+        k.pallas.write_kv(kp, kp, jnp.ones((32, 2, 64)), jnp.ones((32, 2, 64)), jnp.array([32]), jnp.array([[1, 1]]),
+                          jnp.array([0, 32]))
+    shared = jnp.array([17, 19], jnp.int32)  # seq 0 writes page 2 row 0, seq 1 rows 1 and 2: distinct slots
+    rk, rv = k.pallas.reference_write(kp, kp, new, new * 2, shared, table, cu)
+    vc = kc.clone()
+    k.write_kv_(kc, vc, tn, tn * 2, *_torch(shared), ttable, tcu)
+    np.testing.assert_array_equal(kc.numpy(), rk)
+    np.testing.assert_array_equal(vc.numpy(), rv)
+    # under jit there are no values to check (and no host sync to get them): the check stays silent
+    jax.jit(k.pallas.validate_write)(kp, kp, new, new, clash, table, cu)
+
+
+# --------------------------------------------------------------------------- zero sizes, default scale
+
+ZERO = {  # name: (q rows, kv_lens, page_indices, cu_q_lens, num_pages); the result is zeros [T, Hq, D]
+    "no query rows": (0, [5, 0], [[0, 1], [2, -1]], [0, 0, 0], 4),
+    "no sequences": (3, [], np.zeros((0, 2)), [0], 4),
+    "empty page table": (3, [0, 0], np.zeros((2, 0)), [0, 0, 0], 4),
+    "empty cache": (3, [0], [[-1]], [0, 0], 0),
+}
+
+
+@pytest.mark.parametrize("name", ZERO)
+def test_zero_sizes_give_zeros(load_kernel, name):
+    k = load_kernel("paged_attention")
+    t, lens, table, cu, num_pages = ZERO[name]
+    q = jnp.ones((t, 4, 64), jnp.float32)
+    kp = jnp.ones((num_pages, 16, 2, 64), jnp.float32)
+    meta = jnp.array(lens, jnp.int32), jnp.array(table, jnp.int32), jnp.array(cu, jnp.int32)
+    with interpret("fast"):
+        out = k.pallas.ragged_paged_attention(q, kp, kp, *meta)
+        ko, vo = k.pallas.write_kv(kp, kp, q[:, :2], q[:, :2], *meta)
+    assert out.shape == q.shape and not np.asarray(out).any()
+    np.testing.assert_array_equal(np.asarray(ko), np.asarray(kp))  # nothing to write
+    tq, tkp, tlens, ttable, tcu = _torch(q, kp, *meta)
+    tout = k.ragged_paged_attention(tq, tkp, tkp, tlens, ttable, tcu)
+    assert tuple(tout.shape) == q.shape and not tout.any()
+    k.write_kv_(tkp, tkp.clone(), tq[:, :2], tq[:, :2], tlens, ttable, tcu)
+    np.testing.assert_array_equal(tkp.numpy(), np.asarray(kp))
+
+
+def test_default_scale_is_head_dim_rsqrt(load_kernel):
+    """``scale`` left out means head_dim**-0.5 (was 1.0). The torch op's schema default is the JAX
+    function's (0.0: resolved to head_dim**-0.5 inside it), so this covers both."""
+    k = load_kernel("paged_attention")
+    args = make_case([2, 1], [9, 30], d=64, extra_rows=1)
+    ref = k.pallas.reference(*args[:6], scale=64 ** -0.5)
+    np.testing.assert_allclose(k.ragged_paged_attention(*_torch(*args[:6]), block_q=8).numpy(), ref, rtol=1e-5, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- bad input
 
 BAD = {

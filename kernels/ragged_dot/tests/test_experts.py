@@ -183,3 +183,13 @@ def test_experts_op_with_intermediate_off_the_lane_grid(kern):
         idx, w = _routing(11, 8, 2, seed=5)
         torch.testing.assert_close(kern.experts_forward(mod, x, idx, w),
                                    ALL_EXPERTS_FUNCTIONS["grouped_mm"](mod, x, idx, w), rtol=1e-5, atol=1e-5)
+
+
+def test_no_tokens_give_an_empty_output(kern):
+    """An empty batch (e.g. an expert-parallel rank that received no tokens) gives [0, H], as grouped_mm."""
+    mod = _qwen3_experts(kern)
+    x, idx, w = torch.randn(0, 64), torch.zeros(0, 2, dtype=torch.int64), torch.zeros(0, 2)
+    with torch.no_grad():
+        out = kern.experts_forward(mod, x, idx, w)
+        assert out.shape == (0, 64) and out.dtype == x.dtype
+        torch.testing.assert_close(out, ALL_EXPERTS_FUNCTIONS["grouped_mm"](mod, x, idx, w))

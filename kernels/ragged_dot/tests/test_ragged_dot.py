@@ -230,7 +230,7 @@ def test_bad_input_is_refused_with_clear_errors(load_kernel):
         P.ragged_dot(lhs, rhs, jnp.array([20, 20], jnp.int32))
     with pytest.raises(ValueError, match=r"one entry per group of rhs \(2\), got 3"):
         P.ragged_dot(lhs, rhs, jnp.array([1, 2, 3], jnp.int32))
-    with pytest.raises(TypeError, match="group_sizes must have dtype int32 or int64, got float32"):
+    with pytest.raises(TypeError, match="group_sizes must have dtype one of int32, int64, .*, got float32"):
         P.ragged_dot(lhs, rhs, gs.astype(jnp.float32))
     with pytest.raises(ValueError, match="contraction mismatch"):
         P.ragged_dot(lhs[:, :64], rhs, gs)
@@ -259,6 +259,87 @@ def test_torch_bad_input(load_kernel):
         kern.ragged_dot(lhs, rhs, torch.tensor([1.0, 3.0]))
     with pytest.raises(ValueError, match="contraction mismatch"):
         kern.ragged_dot(lhs, rhs[:, :, :64], torch.tensor([1, 3]), True)
+
+
+# --------------------------------------------------------------------------- zero sizes, dtypes, array types
+
+ZERO = [  # m, k, n, group sizes, rhs_transposed: jax.lax.ragged_dot's result, no kernel crash
+    pytest.param(0, 128, 128, [0, 0], False, id="m=0"),
+    pytest.param(12, 0, 128, [5, 7], False, id="k=0"),
+    pytest.param(12, 0, 128, [5, 7], True, id="k=0-transposed"),
+    pytest.param(12, 128, 0, [5, 7], False, id="n=0"),
+    pytest.param(12, 128, 128, [], False, id="no-groups"),
+    pytest.param(0, 0, 0, [], True, id="everything-0"),
+]
+
+
+@pytest.mark.parametrize("m,k,n,sizes,transposed", ZERO)
+def test_zero_sizes_match_lax_ragged_dot(load_kernel, m, k, n, sizes, transposed):
+    kern = load_kernel("ragged_dot")
+    lhs, rhs, gs = _inputs(m, k, n, sizes, transposed, "float32")
+    ref = _lax(lhs, rhs, gs, transposed)
+    with interpret("fast"):
+        out, vjp = jax.vjp(lambda a, w: kern.pallas.ragged_dot(a, w, gs, rhs_transposed=transposed), lhs, rhs)
+        da, dw = vjp(jnp.ones_like(out))
+    assert out.shape == ref.shape == (m, n) and out.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))  # all zeros (or empty)
+    assert da.shape == lhs.shape and dw.shape == rhs.shape and not np.asarray(da).any() and not np.asarray(dw).any()
+    # the torch op, forward and autograd backward, gives the same
+    a = torch.from_numpy(np.array(lhs)).requires_grad_()
+    w = torch.from_numpy(np.array(rhs)).requires_grad_()
+    t = kern.ragged_dot(a, w, torch.tensor(sizes, dtype=torch.int64), transposed)
+    assert tuple(t.shape) == (m, n) and not t.any()
+    t.sum().backward()
+    assert a.grad.shape == a.shape and w.grad.shape == w.shape and not a.grad.any() and not w.grad.any()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "int16", "uint16", "uint32"])
+def test_group_sizes_take_every_integer_dtype_as_lax(load_kernel, dtype):
+    kern = load_kernel("ragged_dot")
+    lhs, rhs, _ = _inputs(40, 128, 128, [0, 0, 0], False, "float32")
+    gs = jnp.array([10, 0, 25], dtype)
+    ref = _lax(lhs, rhs, gs, False)  # jax.lax.ragged_dot takes any integer group_sizes
+    with interpret("fast"):
+        _close(kern.pallas.ragged_dot(lhs, rhs, gs, tile_m=16), ref, 1e-4)
+    if dtype == "uint32":  # the torch op too
+        out = kern.ragged_dot(torch.from_numpy(np.array(lhs)), torch.from_numpy(np.array(rhs)),
+                              torch.tensor([10, 0, 25], dtype=getattr(torch, dtype)))
+        _close(out.numpy(), ref, 1e-4)
+    with pytest.raises(ValueError, match="sum to 41, more than the 40 rows"):  # host values of every dtype checked
+        kern.pallas.ragged_dot(lhs, rhs, jnp.array([10, 6, 25], dtype))
+    with pytest.raises(TypeError, match="group_sizes must have dtype .*, got bool"):
+        kern.pallas.ragged_dot(lhs, rhs, jnp.array([True, False, True]))
+
+
+def test_quantized_arrays_are_refused_by_name(load_kernel):
+    """A qwix QArray has .shape and .dtype, so it used to pass validation and fail deep in pallas_call."""
+    qwix = pytest.importorskip("qwix")
+    kern = load_kernel("ragged_dot")
+    lhs, rhs, gs = _inputs(16, 128, 128, [8, 8], False, "float32")
+    q = qwix.quantize(rhs, jnp.int8, channelwise_axes=(0, 2))
+    with pytest.raises(TypeError, match=r"rhs is a qwix QArray; .*jax.Array or torch.Tensor \(quantized arrays are "
+                                        r"not supported yet"):
+        kern.pallas.ragged_dot(lhs, q, gs)
+    with pytest.raises(TypeError, match="lhs is a qwix QArray"):
+        kern.pallas.ragged_dot(qwix.quantize(lhs, jnp.int8, channelwise_axes=(0,)), rhs, gs)
+    with pytest.raises(TypeError, match="gate_up_proj is a qwix QArray"):
+        kern.experts.experts(lhs, jnp.zeros((16, 1), jnp.int32), jnp.ones((16, 1)),
+                             qwix.quantize(jnp.ones((2, 256, 128)), jnp.int8, channelwise_axes=(0, 1)),
+                             jnp.ones((2, 128, 128)))
+
+
+@pytest.mark.parametrize("t,top_k,e", [(0, 2, 4), (5, 0, 4), (5, 2, 0)], ids=["no-tokens", "top_k=0", "no-experts"])
+def test_experts_op_zero_sizes_give_zeros(load_kernel, t, top_k, e):
+    """No tokens -> [0, H]; top_k = 0 or no (local) experts: every token's output is an empty sum, 0."""
+    kern = load_kernel("ragged_dot")
+    h, i = 128, 128
+    x = torch.randn(t, h)
+    idx = torch.zeros(t, top_k, dtype=torch.int64) + e  # with no experts, ids are expert-parallel sentinels
+    w = torch.ones(t, top_k)
+    out = kern.experts_op(x, idx, w, torch.randn(e, 2 * i, h), torch.randn(e, h, i), None, None, "silu")
+    assert tuple(out.shape) == (t, h) and out.dtype == x.dtype and not out.any()
+    with pytest.raises(ValueError, match="intermediate size is 0"):
+        kern.experts_op(x, idx, w, torch.randn(4, 0, h), torch.randn(4, h, 0), None, None, "silu")
 
 
 # --------------------------------------------------------------------------- tokamax anchor

@@ -14,10 +14,28 @@ ROOT = Path(__file__).resolve().parents[3]  # the repository (loader/pallas_hub/
 BACKENDS = ("cann", "cpu", "cuda", "metal", "neuron", "rocm", "tpu", "xpu")  # kernel-builder's enum
 NAME_RE = re.compile(r"^[a-z][-a-z0-9]*[a-z0-9]$")  # what `kernels` accepts as a kernel name
 REPO_RE = re.compile(r"^[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*$")
+KEY_RE = re.compile(r"^[a-z][a-z0-9_]*$")  # a manifest key is a folder name (kernels/<key>, build folders)
 
 
 class ManifestError(ValueError):
     """A build.toml that is missing a field or has a wrong one."""
+
+
+def repo_id_problem(repo_id) -> str | None:
+    """Why ``repo_id`` is not a usable Hub repo id ``org/name``, or None.
+
+    huggingface_hub's own rules (no "--" or "..", which would also make ``org/a--b`` and ``org--a/b``
+    share one cache folder), plus a namespace, ASCII only.
+    """
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not isinstance(repo_id, str) or not REPO_RE.match(repo_id):
+        return f"repo id {repo_id!r} must look like 'org/name' (letters, digits, '-', '_', '.')"
+    try:
+        validate_repo_id(repo_id)
+    except HFValidationError as e:
+        return f"repo id {repo_id!r} is not valid on the Hub: {e}"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,11 +111,14 @@ def load_kernel(path: Path, key: str | None = None) -> KernelSpec:
     if not isinstance(hub, dict):
         raise ManifestError(f"{file}: missing table [general.hub] with repo-id")
     repo_id = _field(hub, "repo-id", str, f"{file} [general.hub]")
-    if not REPO_RE.match(repo_id):
-        raise ManifestError(f"{file} [general.hub]: repo-id {repo_id!r} must look like 'org/name'")
+    if problem := repo_id_problem(repo_id):
+        raise ManifestError(f"{file} [general.hub]: {problem}")
+    upstream = general.get("upstream")
+    if upstream is not None and not isinstance(upstream, str):  # kernels' metadata wants a git URL string
+        raise ManifestError(f"{where}: 'upstream' must be a string (the upstream git URL), got {upstream!r}")
     if "torch-noarch" not in data:
         raise ManifestError(f"{file}: missing table [torch-noarch] (TPU kernels are noarch builds)")
-    spec = KernelSpec(key or path.name, path, name, version, license_, tuple(backends), repo_id, general.get("upstream"))
+    spec = KernelSpec(key or path.name, path, name, version, license_, tuple(backends), repo_id, upstream)
     if not spec.source.is_dir():
         raise ManifestError(f"{file}: expected the package at {spec.source.relative_to(path)}")
     return spec
@@ -126,9 +147,21 @@ def load_manifest(root: Path = ROOT) -> Manifest:
     if not isinstance(hub, dict):
         raise ManifestError(f"{file}: missing table [hub] with namespace")
     namespace = _field(hub, "namespace", str, f"{file} [hub]")
+    tables = data.get("kernels", {})
+    if not isinstance(tables, dict):
+        raise ManifestError(f"{file}: [kernels] must be a table of [kernels.<key>] tables")
     kernels = {}
-    for key, table in data.get("kernels", {}).items():
-        rel = _field(table, "path", str, f"{file} [kernels.{key}]")
+    for key, table in tables.items():
+        where = f"{file} [kernels.{key}]"
+        if not KEY_RE.match(key):  # it names folders (build output, temporary folders): no paths
+            raise ManifestError(f"{file}: kernel key {key!r} must be lowercase letters, digits and '_' "
+                                "(a folder name, e.g. 'ragged_dot')")
+        if not isinstance(table, dict):
+            raise ManifestError(f"{where}: must be a table with path = \"kernels/{key}\"")
+        rel = _field(table, "path", str, where)
+        folder = (Path(root) / rel).resolve()
+        if Path(rel).is_absolute() or not folder.is_relative_to(Path(root).resolve()):
+            raise ManifestError(f"{where}: path {rel!r} must be a folder inside {Path(root).resolve()}")
         spec = load_kernel(Path(root) / rel, key)
         if not spec.repo_id.startswith(namespace + "/"):
             raise ManifestError(f"{spec.path / 'build.toml'}: repo-id {spec.repo_id!r} is outside namespace {namespace!r}")

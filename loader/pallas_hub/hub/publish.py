@@ -8,18 +8,22 @@ The local hub is a Hugging Face cache folder (``kernels--<org>--<name>/refs/v<N>
 id, ``snapshots/<commit>/...`` holding the files), so ``kernels.get_kernel(repo, version=N)``
 resolves it offline with ``HF_HUB_CACHE`` pointed at it. Local commits are content hashes: publishing
 the same build twice changes nothing, and an older commit stays loadable for lock files that pin it.
+
+A publish reads the build under the build folder's lock and refuses any variant that does not
+verify against its own metadata (nothing partial is published). A local version is written in a
+staging folder, renamed into ``snapshots/`` and only then named by ``refs/v<N>``, all under a
+per-repository lock; whatever a killed publish left behind is removed by the next one.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import os
 import shutil
 import tempfile
 from pathlib import Path
 
+from .build import VariantError, locked, verify_variant
 from .manifest import KernelSpec
 
 # PALLAS_HUB_LOCAL overrides where the local hub lives.
@@ -34,17 +38,29 @@ def repo_folder(repo_id: str) -> str:
 
 
 def version_files(spec: KernelSpec, build_dir: Path | None = None) -> dict[str, bytes]:
-    """What branch ``v<version>`` holds: every built variant and the benchmark scripts."""
+    """What branch ``v<version>`` holds: every built variant and the benchmark scripts.
+
+    Read under the build folder's lock; every variant folder must verify against its own metadata,
+    so a half-written or edited build is refused, never published in part.
+    """
     build_dir = Path(build_dir) if build_dir is not None else spec.path / "build"
-    variants = sorted(p for p in build_dir.iterdir() if (p / "metadata.json").is_file()) if build_dir.is_dir() else []
-    if not variants:
+    rebuild = f"rebuild it: pallas-hub build {spec.key}"
+    if not build_dir.is_dir():
         raise FileNotFoundError(f"{spec.name}: nothing built in {build_dir}; run `pallas-hub build {spec.key}` first")
     files = {}
-    for variant in variants:
-        for path in sorted(variant.rglob("*")):
-            rel = path.relative_to(variant)
-            if path.is_file() and "__pycache__" not in rel.parts and path.suffix != ".pyc":
-                files[f"build/{variant.name}/{rel.as_posix()}"] = path.read_bytes()
+    with locked(build_dir):
+        variants = sorted(p for p in build_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+        if not variants:
+            raise FileNotFoundError(f"{spec.name}: nothing built in {build_dir}; run `pallas-hub build {spec.key}` first")
+        for variant in variants:
+            try:
+                verify_variant(variant)
+            except VariantError as e:
+                raise VariantError(f"{variant} {e}; nothing was published: {rebuild}") from None
+            for path in sorted(variant.rglob("*")):
+                rel = path.relative_to(variant)
+                if path.is_file() and "__pycache__" not in rel.parts and path.suffix != ".pyc":
+                    files[f"build/{variant.name}/{rel.as_posix()}"] = path.read_bytes()
     for path in sorted((spec.path / "benchmarks").glob("benchmark*.py")):
         files[f"benchmarks/{path.name}"] = path.read_bytes()
     return files
@@ -55,17 +71,19 @@ def main_files(spec: KernelSpec) -> dict[str, bytes]:
     return {"README.md": card.read_bytes()} if card.is_file() else {}
 
 
-@contextlib.contextmanager
+def redirected(repo: Path, commit: str) -> list[Path]:
+    """The folders of a repository in a cache (``repo`` = <cache>/kernels--org--name) that are, or lie
+    behind, a link, outermost first: whatever writes or deletes there would act where they point."""
+    cache = repo.parent
+    real = Path(os.path.realpath(cache))
+    folders = [cache / ".locks", cache / ".locks" / repo.name, repo,
+               *(repo / sub for sub in ("blobs", "refs", "trees", ".no_exist", "snapshots")), repo / "snapshots" / commit]
+    return [p for p in folders if (p.exists() or p.is_symlink()) and os.path.realpath(p) != str(real / p.relative_to(cache))]
+
+
 def file_lock(cache_dir: Path, repo_id: str):
     """An exclusive lock per repository in ``cache_dir``, held across processes (fcntl)."""
-    locks = Path(cache_dir) / ".locks" / "pallas-hub"
-    locks.mkdir(parents=True, exist_ok=True)
-    with open(locks / f"{repo_folder(repo_id)}.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    return locked(Path(cache_dir) / ".locks" / "pallas-hub" / f"{repo_folder(repo_id)}.lock")
 
 
 def _commit_id(files: dict[str, bytes]) -> str:
@@ -84,11 +102,15 @@ def _write_atomic(path: Path, data: bytes) -> None:
 
 
 def _holds(folder: Path, files: dict[str, bytes]) -> bool:
-    """True when ``folder`` holds exactly ``files`` (bytecode caches aside)."""
-    if not folder.is_dir():
+    """True when ``folder`` holds exactly ``files``: nothing more (bytecode and links included), nothing less."""
+    if not folder.is_dir() or folder.is_symlink():
         return False
-    present = {p.relative_to(folder).as_posix() for p in folder.rglob("*")
-               if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"}
+    present = set()
+    for p in folder.rglob("*"):
+        if p.is_symlink():
+            return False
+        if p.is_file():
+            present.add(p.relative_to(folder).as_posix())
     return present == set(files) and all((folder / rel).read_bytes() == data for rel, data in files.items())
 
 
@@ -121,10 +143,22 @@ class LocalHub:
     def snapshot(self, repo_id: str, commit: str) -> Path:
         return self.repo_dir(repo_id) / "snapshots" / commit
 
+    def _clean_leftovers(self, repo_id: str) -> None:
+        """Remove what a killed publish left behind (staging folders, temporary ref files); under the lock."""
+        repo = self.repo_dir(repo_id)
+        for leftover in [*repo.glob("snapshots/.staging-*"), *repo.glob("snapshots/.damaged-*"), *repo.glob("refs/.*")]:
+            if leftover.is_dir() and not leftover.is_symlink():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+
     def _commit(self, repo_id: str, branch: str, files: dict[str, bytes]) -> tuple[str, bool]:
         """Write ``files`` as one commit and point ``refs/<branch>`` at it; returns (commit, changed)."""
         commit = _commit_id(files)
         target = self.snapshot(repo_id, commit)
+        for link in redirected(self.repo_dir(repo_id), commit):  # a planted link: removed, never written through
+            if link.is_symlink():
+                link.unlink()
         if not _holds(target, files):  # content-addressed; a damaged copy is replaced, never trusted
             target.parent.mkdir(parents=True, exist_ok=True)
             staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))
@@ -150,6 +184,7 @@ class LocalHub:
         repo_id = repo_id or spec.repo_id
         files = version_files(spec, build_dir)
         with file_lock(self.root, repo_id):
+            self._clean_leftovers(repo_id)
             commit, changed = self._commit(repo_id, f"v{spec.version}", files)
             if main := main_files(spec):
                 self._commit(repo_id, "main", main)
@@ -166,14 +201,29 @@ def publish_hub(spec: KernelSpec, build_dir: Path | None = None, *, repo_id: str
     Creates the repository and branch ``v<version>`` when missing, commits only files whose bytes
     differ from the branch (git blob ids compared) and deletes stale files under build/ and
     benchmarks/, so publishing an unchanged build makes no commit. CARD.md goes to main as README.md.
+    A refused or failed request (no token, no network) raises a ``HubError`` that says what to do.
     """
-    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
+    from huggingface_hub import HfApi
+
+    from .fetch import as_hub_error
+
+    api = api or HfApi()
+    files = version_files(spec, build_dir)  # a build that does not verify is refused before any request
+    try:
+        return _upload(spec, files, api, repo_id or spec.repo_id, private, progress or (lambda *_: None))
+    except Exception as e:
+        err = as_hub_error(e, api.endpoint, "Publish to the local hub instead (pallas-hub publish without --hub), "
+                                            "or retry when the Hub is reachable.")
+        if err is None:
+            raise
+        raise err from e
+
+
+def _upload(spec: KernelSpec, files: dict[str, bytes], api, repo_id: str, private: bool | None, say) -> str:
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
     from huggingface_hub.hf_api import RepoFile
     from huggingface_hub.utils.sha import git_hash
 
-    api = api or HfApi()
-    repo_id = repo_id or spec.repo_id
-    say = progress or (lambda *_: None)
     say(f"{repo_id}: creating the kernel repository if missing ({api.endpoint})")
     api.create_repo(repo_id, repo_type=REPO_TYPE, exist_ok=True, private=private)
 
@@ -192,7 +242,7 @@ def publish_hub(spec: KernelSpec, build_dir: Path | None = None, *, repo_id: str
 
     branch = f"v{spec.version}"
     api.create_branch(repo_id, branch=branch, repo_type=REPO_TYPE, exist_ok=True)
-    sync(branch, version_files(spec, build_dir), lambda rel: rel.startswith(MANAGED))
+    sync(branch, files, lambda rel: rel.startswith(MANAGED))
     if main := main_files(spec):
         sync("main", main, lambda rel: rel == "README.md")
     refs = api.list_repo_refs(repo_id, repo_type=REPO_TYPE)

@@ -19,6 +19,15 @@ import jax.numpy as jnp
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+def resolve_scale(scale: float | None, head_dim: int) -> float:
+    """The softmax scale of every attention op: ``scale``, or head_dim**-0.5 when it is None or 0.
+
+    0 is the torch ops' default: TorchTPU's jax_op makes the op schema from the JAX function's
+    signature, so a default that depends on the input shape can only be a sentinel.
+    """
+    return float(scale) if scale else float(head_dim) ** -0.5
+
+
 def allowed(q_pos, k_pos, *, causal: bool, window: int | None):
     """Which (query, key) position pairs may attend; q_pos [..., q, 1], k_pos [..., 1, k] broadcast."""
     ok = jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), dtype=jnp.bool_)

@@ -98,14 +98,56 @@ def dtype_name(x: Any) -> str:
     return str(x.dtype).removeprefix("torch.")
 
 
+def _is_array(x: Any) -> bool:
+    """A torch tensor, jax array (or tracer), numpy array or ShapeDtypeStruct: what a kernel takes.
+    Array-like wrappers (a qwix QArray has .shape and .dtype) are not: they would fail deep inside
+    pallas_call."""
+    if isinstance(x, torch.Tensor):
+        return True
+    import jax
+    import numpy as np
+
+    return isinstance(x, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))
+
+
 def check_array(name: str, x: Any, *, dtypes: Sequence[str] | None = None, ndim: int | None = None) -> None:
-    """Raise a ValueError/TypeError that names ``name`` when ``x`` has the wrong rank or dtype."""
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{name} must be a tensor, got {type(x).__name__}")
+    """Raise a ValueError/TypeError that names ``name`` when ``x`` is not a plain array or has the
+    wrong rank or dtype."""
+    if not _is_array(x):
+        kind = type(x).__name__
+        if type(x).__module__ != "builtins":
+            kind = f"{type(x).__module__.split('.')[0]} {kind}"  # e.g. "qwix QArray"
+        quantized = " (quantized arrays are not supported yet: dequantize first)" if hasattr(x, "qvalue") else ""
+        raise TypeError(f"{name} is a {kind}; this kernel takes a plain jax.Array or torch.Tensor{quantized}")
     if ndim is not None and len(x.shape) != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
     if dtypes is not None and dtype_name(x) not in dtypes:
-        raise TypeError(f"{name} must have dtype {' or '.join(dtypes)}, got {dtype_name(x)}")
+        allowed = " or ".join(dtypes) if len(dtypes) <= 2 else "one of " + ", ".join(dtypes)
+        raise TypeError(f"{name} must have dtype {allowed}, got {dtype_name(x)}")
+
+
+def host_values(x: Any):
+    """``x``'s values as a numpy array when they are already on the host, else None.
+
+    Host means a CPU torch tensor, a numpy array or a concrete JAX array on CPU. Never reads a
+    device array (that would be a host sync on the hot path); tracers and fake/meta tensors have
+    no values. Kernels check metadata values with this and clamp on device where it gives None.
+    """
+    import jax
+    import numpy as np
+
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            return None
+        try:
+            return x.detach().numpy()
+        except (RuntimeError, TypeError):  # FakeTensor, functional tensors under torch.compile
+            return None
+    if isinstance(x, jax.core.Tracer):
+        return None
+    if isinstance(x, jax.Array):
+        return np.asarray(x) if all(d.platform == "cpu" for d in x.devices()) else None
+    return x if isinstance(x, np.ndarray) else None
 
 
 def check_devices(tensors: dict[str, Any], *, allow_meta: bool = False) -> str:

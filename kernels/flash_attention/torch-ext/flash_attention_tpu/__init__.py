@@ -1,9 +1,10 @@
 """flash-attention-tpu: Pallas TPU flash attention (GQA/MQA, causal, sliding window, soft-cap, sinks,
 padding) as a torch op with autograd, and a transformers attention function.
 
-    attention(q, k, v, sinks=None, seq=None, mask=None, scale=..., causal=True, window=0, softcap=0.0,
+    attention(q, k, v, sinks=None, seq=None, mask=None, scale=0.0, causal=True, window=0, softcap=0.0,
               block_q=0, block_k=0, mask_only=False)
         -> (out [B, Hq, Sq, D], lse [B, Hq, Sq] f32)          (torch custom op, differentiable)
+        scale 0.0 (the default) means D**-0.5, as the JAX function pallas.flash_attention
     attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs)
         -> (out [B, Sq, Hq, D], None)                         (transformers' AttentionInterface contract)
 
@@ -26,7 +27,7 @@ def _opt(x):
     return None if not x else x
 
 
-def _check(q, k, v, sinks=None, seq=None, mask=None, scale=1.0, causal=True, window=0, softcap=0.0, block_q=0,
+def _check(q, k, v, sinks=None, seq=None, mask=None, scale=0.0, causal=True, window=0, softcap=0.0, block_q=0,
            block_k=0, mask_only=False):
     if window < 0:
         raise ValueError(f"window must be a positive number of tokens (0 = no window), got {window}")
@@ -48,8 +49,8 @@ def _mask_structure(mask: jax.Array, causal: bool, window: int | None) -> tuple[
     mask = mask.astype(bool)
     cols = mask.any(axis=1)  # [B, Sk]: keys some row sees
     ar = jnp.arange(sk, dtype=jnp.int32)
-    kv_end = jnp.max(jnp.where(cols, ar + 1, 0), axis=1)
-    kv_start = jnp.minimum(jnp.min(jnp.where(cols, ar, sk), axis=1), kv_end)
+    kv_end = jnp.max(jnp.where(cols, ar + 1, 0), axis=1, initial=0)  # initial: Sk may be 0
+    kv_start = jnp.minimum(jnp.min(jnp.where(cols, ar, sk), axis=1, initial=sk), kv_end)
     q_len = jnp.full_like(kv_end, sq)
     q_pos = (kv_end - q_len)[:, None, None] + jnp.arange(sq, dtype=jnp.int32)[None, :, None]
     k_pos = ar[None, None, :]
@@ -69,7 +70,7 @@ def _by_mask(run, seq, mask, causal, window, mask_only):
 
 
 def _forward(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None = None, seq: jax.Array | None = None,
-             mask: jax.Array | None = None, scale: float = 1.0, causal: bool = True, window: int = 0,
+             mask: jax.Array | None = None, scale: float = 0.0, causal: bool = True, window: int = 0,
              softcap: float = 0.0, block_q: int = 0, block_k: int = 0,
              mask_only: bool = False) -> tuple[jax.Array, jax.Array]:
     def run(seq, mask, causal, window):
@@ -80,27 +81,27 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None =
 
 
 def _backward(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None, seq: jax.Array | None,
-              mask: jax.Array | None, out: jax.Array, lse: jax.Array, grad: jax.Array, scale: float = 1.0,
+              mask: jax.Array | None, out: jax.Array, lse: jax.Array, grad: jax.Array, scale: float = 0.0,
               causal: bool = True, window: int = 0, softcap: float = 0.0, block_q: int = 0, block_k: int = 0,
               mask_only: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     b, hq, sq, _ = q.shape
 
     def run(seq, mask, causal, window):
         dq, dk, dv, dsinks = pallas._backward(
-            q, k, v, sinks, pallas._canonical_seq(seq, b, sq, k.shape[2]), mask, out, lse, grad, scale=scale,
-            causal=causal, window=window, softcap=_opt(softcap), block_q=_opt(block_q), block_k=_opt(block_k),
-            chip=pallas._chip_from_device())
+            q, k, v, sinks, pallas._canonical_seq(seq, b, sq, k.shape[2]), mask, out, lse, grad,
+            scale=attention_math.resolve_scale(scale, q.shape[3]), causal=causal, window=window,
+            softcap=_opt(softcap), block_q=_opt(block_q), block_k=_opt(block_k), chip=pallas._chip_from_device())
         return dq, dk, dv, (jnp.zeros((hq,), jnp.float32) if dsinks is None else dsinks)
 
     return _by_mask(run, seq, mask, causal, _opt(window), mask_only)
 
 
-def _fake_forward(q, k, v, sinks=None, seq=None, mask=None, scale=1.0, causal=True, window=0, softcap=0.0,
+def _fake_forward(q, k, v, sinks=None, seq=None, mask=None, scale=0.0, causal=True, window=0, softcap=0.0,
                   block_q=0, block_k=0, mask_only=False):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def _fake_backward(q, k, v, sinks, seq, mask, out, lse, grad, scale=1.0, causal=True, window=0, softcap=0.0,
+def _fake_backward(q, k, v, sinks, seq, mask, out, lse, grad, scale=0.0, causal=True, window=0, softcap=0.0,
                    block_q=0, block_k=0, mask_only=False):
     ds = torch.empty_like(sinks) if sinks is not None else q.new_empty((q.shape[1],), dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ds

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _attention_math as am
-from ._bridge import check_array, dtype_name
+from ._bridge import check_array, dtype_name, host_values
 from ._chips import tpu_generation
 
 DTYPES = ("float32", "bfloat16")
@@ -81,8 +81,6 @@ def validate(q, k, v, sinks=None, seq=None, mask=None, *, scale=None, causal=Tru
     hkv = k.shape[1]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"the number of query heads ({hq}) must be a multiple of the number of KV heads ({hkv})")
-    if sq == 0 or k.shape[2] == 0:
-        raise ValueError(f"sequence lengths must be positive, got Sq={sq}, Sk={k.shape[2]}")
     if sinks is not None:
         check_array("sinks", sinks, ndim=1)
         if sinks.shape[0] != hq:
@@ -91,6 +89,7 @@ def validate(q, k, v, sinks=None, seq=None, mask=None, *, scale=None, causal=Tru
         check_array("seq", seq, dtypes=("int32", "int64"), ndim=2)
         if tuple(seq.shape) != (b, 3):
             raise ValueError(f"seq (kv_start, kv_end, q_len per sequence) must have shape {(b, 3)}, got {tuple(seq.shape)}")
+        _check_seq_values(host_values(seq), sq, k.shape[2])
     if mask is not None:
         check_array("mask", mask, dtypes=("bool", "int8"), ndim=3)
         if tuple(mask.shape) != (b, sq, k.shape[2]):
@@ -104,6 +103,22 @@ def validate(q, k, v, sinks=None, seq=None, mask=None, *, scale=None, causal=Tru
             raise ValueError(f"{name} must be a positive multiple of {LANES}, got {blk}")
     if chip not in CHIP_BLOCKS:
         raise ValueError(f"chip must be one of {sorted(CHIP_BLOCKS)}, got {chip!r}")
+
+
+def _check_seq_values(seq, sq, sk):
+    """Refuse ``seq`` values the kernel would have to clamp: 0 <= kv_start <= kv_end <= Sk and
+    0 <= q_len <= Sq. Only values already on the host are read (None: on device or under jit,
+    where _canonical_seq clamps them instead, without a host sync)."""
+    if seq is None:
+        return
+    for i, (kv_start, kv_end, q_len) in enumerate(seq.astype(np.int64).tolist()):
+        where = f"seq[{i}] = (kv_start={kv_start}, kv_end={kv_end}, q_len={q_len})"
+        if not 0 <= kv_start <= kv_end:
+            raise ValueError(f"{where}: kv_start must be in [0, kv_end]")
+        if kv_end > sk:
+            raise ValueError(f"{where}: kv_end exceeds the {sk} keys of k (Sk = k.shape[2])")
+        if not 0 <= q_len <= sq:
+            raise ValueError(f"{where}: q_len must be in [0, Sq={sq}] (Sq = q.shape[2])")
 
 
 # --------------------------------------------------------------------------- scheduling
@@ -388,7 +403,27 @@ def _params(vmem):
     return pltpu.CompilerParams(dimension_semantics=sem, vmem_limit_bytes=vmem)
 
 
+def _is_empty(q, k):
+    """No query row, or no key: no kernel runs (its blocks cannot be empty)."""
+    return q.size == 0 or k.shape[2] == 0
+
+
+def _empty_forward(q, sinks, with_lse):
+    """Zero-size attention: every row has nothing to attend, so out = 0 and lse is what the kernel
+    gives such a row (MASK_VALUE, or the sink logit: the sink alone is in the denominator)."""
+    out = jnp.zeros(q.shape, q.dtype)
+    if not with_lse:
+        return out, None
+    rows = q.shape[:3] + (1,)
+    sink = None if sinks is None else sinks.astype(jnp.float32)[None, :, None, None]
+    _, lse = am.finalize(jnp.full(rows, am.MASK_VALUE, jnp.float32), jnp.zeros(rows, jnp.float32),
+                         jnp.zeros(rows, jnp.float32), sink)
+    return out, lse[..., 0]
+
+
 def _forward(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap, block_q, block_k, chip, with_lse):
+    if _is_empty(q, k):
+        return _empty_forward(q, sinks, with_lse)
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -433,6 +468,8 @@ def _forward(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap, block
 
 
 def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window, softcap, block_q, block_k, chip):
+    if _is_empty(q, k):  # the output is 0 (or empty) whatever q, k, v and sinks are
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), None if sinks is None else jnp.zeros_like(sinks)
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -528,17 +565,21 @@ def flash_attention(q, k, v, sinks=None, seq=None, mask=None, *, scale=None, cau
     """Attention of q [B, Hq, Sq, D] over k/v [B, Hkv, Sk, D] -> [B, Hq, Sq, D] (q's dtype).
 
     sinks [Hq] (GPT-OSS), seq int [B, 3] = (kv_start, kv_end, q_len) per sequence (module doc),
-    mask bool/int8 [B, Sq, Sk] (True = may attend, applied on top), scale (default D**-0.5),
+    mask bool/int8 [B, Sq, Sk] (True = may attend, applied on top), scale (None or 0: D**-0.5),
     causal (bottom-right), window W (keys k > q - W), softcap (cap * tanh(s / cap)).
     Differentiable in q, k, v and sinks. ``chip`` ("v5e", "v6e", "tpu7x") picks block sizes and the
     VMEM limit; by default the current device's.
+
+    ``seq`` values on the host are checked (0 <= kv_start <= kv_end <= Sk, 0 <= q_len <= Sq); on
+    device or under jit they are clamped into those ranges. Zero sizes: B, Hq or Sq = 0 give an
+    empty output, Sk = 0 gives zeros (no row has a key to attend).
     """
     if chip is None:
         chip = _chip_from_device()
     validate(q, k, v, sinks, seq, mask, scale=scale, causal=causal, window=window, softcap=softcap,
              block_q=block_q, block_k=block_k, chip=chip)
     b, _, sq, d = q.shape
-    static = (("scale", float(d ** -0.5 if scale is None else scale)), ("causal", bool(causal)),
+    static = (("scale", am.resolve_scale(scale, d)), ("causal", bool(causal)),
               ("window", None if window is None else int(window)),
               ("softcap", None if softcap is None else float(softcap)), ("block_q", block_q),
               ("block_k", block_k), ("chip", chip))
@@ -554,7 +595,7 @@ def flash_attention_with_lse(q, k, v, sinks=None, seq=None, mask=None, *, scale=
              block_q=block_q, block_k=block_k, chip=chip)
     b, _, sq, d = q.shape
     return _forward(q, k, v, sinks, _canonical_seq(seq, b, sq, k.shape[2]), mask,
-                    scale=float(d ** -0.5 if scale is None else scale), causal=causal, window=window,
+                    scale=am.resolve_scale(scale, d), causal=causal, window=window,
                     softcap=softcap, block_q=block_q, block_k=block_k, chip=chip, with_lse=True)
 
 
@@ -563,7 +604,7 @@ def reference(q, k, v, sinks=None, seq=None, mask=None, *, scale=None, causal=Tr
     b, _, sq, d = q.shape
     sk = k.shape[2]
     seq = _canonical_seq(seq, b, sq, sk)
-    scale = d ** -0.5 if scale is None else scale
+    scale = am.resolve_scale(scale, d)
     if mask is None and not bool(jnp.all(seq[:, 0] == 0)):
         mask = jnp.broadcast_to(jnp.arange(sk)[None, None, :] >= seq[:, 0, None, None], (b, sq, sk))
     elif mask is not None:

@@ -1,7 +1,8 @@
 """paged-attention-tpu: ragged paged attention (continuous batching) as a Pallas TPU kernel.
 
-* ``ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=, window=0,
-  softcap=0.0, block_q=0, block_kv=512)``: torch op; see ``pallas.ragged_paged_attention`` for layouts.
+* ``ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=0.0, window=0,
+  softcap=0.0, block_q=0, block_kv=512)``: torch op (scale 0.0 = head_dim**-0.5); see
+  ``pallas.ragged_paged_attention`` for layouts.
 * ``write_kv(...)`` -> (k_pages', v_pages'): functional torch op writing new tokens into their pages
   (the JAX kernel aliases the cache: in place under jit with donation; as a functional torch op it
   returns new caches); ``write_kv_`` updates the torch caches in place, writing only the new rows.
@@ -19,7 +20,7 @@ from ._ops import add_op_namespace_prefix
 from .transformers_cb import CB_NAME, enable_continuous_batching, paged_attention_forward
 
 
-def _fake_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=1.0, window=0,
+def _fake_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=0.0, window=0,
                     softcap=0.0, block_q=0, block_kv=512):
     return torch.empty_like(q)
 
@@ -68,7 +69,7 @@ def write_kv_(k_cache, v_cache, new_k, new_v, kv_lens, page_indices, cu_q_lens):
     """
     pallas.validate_write(k_cache, v_cache, new_k, new_v, kv_lens, page_indices, cu_q_lens)
     tokens = new_k.shape[0]
-    if tokens == 0:
+    if tokens == 0 or k_cache.shape[0] == 0:  # nothing to write, or no page to write into
         return
     pid, off, source = _write_targets_op(kv_lens, page_indices, cu_q_lens, tokens, k_cache.shape[0],
                                          k_cache.shape[1])

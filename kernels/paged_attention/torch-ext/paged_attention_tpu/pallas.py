@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _attention_math as am
-from ._bridge import check_array, dtype_name
+from ._bridge import check_array, dtype_name, host_values
 
 KV_DTYPES = ("float32", "bfloat16")
 INDEX_DTYPES = ("int32", "int64")
@@ -45,22 +45,7 @@ MiB = 1 << 20
 
 # --------------------------------------------------------------------------- validation
 
-def _concrete(x):
-    """x as a numpy array when its values are available on the host (torch CPU tensor, numpy,
-    concrete jax array), else None (a tracer under jit: the device clamps instead)."""
-    if isinstance(x, jax.core.Tracer):
-        return None
-    if hasattr(x, "detach") and hasattr(x, "device"):  # torch
-        if x.device.type not in ("cpu",):
-            return None
-        return x.detach().cpu().numpy()
-    try:
-        return np.asarray(x)
-    except Exception:
-        return None
-
-
-def validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=1.0, window=0,
+def validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=0.0, window=0,
              softcap=0.0, block_q=0, block_kv=512):
     """Raise ValueError/TypeError naming the bad argument; checks values too when they are on the host."""
     check_array("q", q, dtypes=KV_DTYPES, ndim=3)
@@ -87,8 +72,6 @@ def validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, 
         raise ValueError(f"page size (k_pages.shape[1]) must be a multiple of {sub} for {dtype_name(k_pages)} "
                          f"(TPU sublane tile), got {page}")
     num_seqs, pps = page_indices.shape
-    if num_seqs == 0 or pps == 0:
-        raise ValueError(f"page_indices must have at least one sequence and one column, got shape {(num_seqs, pps)}")
     if tuple(kv_lens.shape) != (num_seqs,):
         raise ValueError(f"kv_lens must have shape ({num_seqs},) (one per page_indices row), got {tuple(kv_lens.shape)}")
     if tuple(cu_q_lens.shape) != (num_seqs + 1,):
@@ -103,7 +86,8 @@ def validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, 
         raise ValueError(f"softcap must be >= 0 (0 = no soft-capping), got {softcap}")
     if block_q < 0 or block_kv <= 0:
         raise ValueError(f"block_q must be >= 0 (0 = automatic) and block_kv > 0, got {block_q}, {block_kv}")
-    cu, lens, table = _concrete(cu_q_lens), _concrete(kv_lens), _concrete(page_indices)
+    # Values: only when already on the host (on device or under jit the kernel clamps, no host sync).
+    cu, lens, table = host_values(cu_q_lens), host_values(kv_lens), host_values(page_indices)
     if cu is not None and cu.size:
         if cu[0] != 0:
             raise ValueError(f"cu_q_lens[0] must be 0, got {int(cu[0])}")
@@ -349,7 +333,7 @@ def ragged_paged_attention(
     page_indices: jax.Array,
     cu_q_lens: jax.Array,
     sinks: jax.Array | None = None,
-    scale: float = 1.0,
+    scale: float = 0.0,
     window: int = 0,
     softcap: float = 0.0,
     block_q: int = 0,
@@ -357,11 +341,15 @@ def ragged_paged_attention(
 ) -> jax.Array:
     """Attention of packed ragged queries over a paged KV cache; returns [T, Hq, D] in q's dtype.
 
-    ``window`` 0 = none (else transformers' sliding window: key > query - window), ``softcap`` 0 =
-    none, ``sinks`` [Hq] GPT-OSS sink logits, ``block_q`` query tokens per tile (0 = about 1024 rows),
-    ``block_kv`` tokens fetched per DMA chunk (rounded to whole pages).
+    ``scale`` 0 = head_dim**-0.5 (the default), ``window`` 0 = none (else transformers' sliding
+    window: key > query - window), ``softcap`` 0 = none, ``sinks`` [Hq] GPT-OSS sink logits,
+    ``block_q`` query tokens per tile (0 = about 1024 rows), ``block_kv`` tokens fetched per DMA
+    chunk (rounded to whole pages). Zero sizes: no query rows -> [0, Hq, D]; no sequences, an empty
+    page table or an empty cache -> zeros (no row has a key to attend).
     """
     validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks, scale, window, softcap, block_q, block_kv)
+    if q.size == 0 or k_pages.size == 0 or page_indices.size == 0:
+        return jnp.zeros(q.shape, q.dtype)
     t, hq, d = q.shape
     num_pages, page, hkv, _ = k_pages.shape
     num_seqs, pps = page_indices.shape
@@ -383,7 +371,7 @@ def ragged_paged_attention(
     sinks_f32 = (jnp.zeros((hq,), jnp.float32) if sinks is None else sinks.astype(jnp.float32))
 
     kernel = functools.partial(
-        _kernel, scale=float(scale), window=int(window), softcap=float(softcap), block_q=bq, group=group,
+        _kernel, scale=am.resolve_scale(scale, d), window=int(window), softcap=float(softcap), block_q=bq, group=group,
         pages_per_block=pages_per_block, sub_rows=_sub_rows(rows, q.dtype), has_sinks=sinks is not None)
     block = pl.BlockSpec((hkv, rows, d), lambda i, lens, cu, tiles, seqs: (0, tiles[i], 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -420,7 +408,7 @@ def ragged_paged_attention(
 
 # --------------------------------------------------------------------------- reference
 
-def reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=1.0, window=0, softcap=0.0):
+def reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=0.0, window=0, softcap=0.0):
     """Per-sequence loop on the host: gather each sequence's pages, dense _attention_math.reference_attention.
     Independent of the kernel's tiling, DMA and work-item logic. Returns f32 [T, Hq, D]."""
     t, hq, d = q.shape
@@ -437,7 +425,7 @@ def reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None,
         qs = q[cu[s]: cu[s + 1]]
         o = am.reference_attention(
             jnp.swapaxes(qs, 0, 1)[None], jnp.swapaxes(k, 0, 1)[None], jnp.swapaxes(v, 0, 1)[None],
-            scale=scale, causal=True, window=window or None, softcap=softcap or None, sinks=sinks)
+            scale=am.resolve_scale(scale, d), causal=True, window=window or None, softcap=softcap or None, sinks=sinks)
         out[cu[s]: cu[s + 1]] = np.asarray(jnp.swapaxes(o[0], 0, 1))
     return out
 
@@ -456,12 +444,36 @@ def validate_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_l
                         f"got {dtype_name(new_k)}/{dtype_name(new_v)}")
     # Same metadata rules as attention (q stands in for the new tokens: same rows).
     validate(new_k, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
+    _check_distinct_slots(host_values(kv_lens), host_values(page_indices), host_values(cu_q_lens), new_k.shape[0],
+                          *k_pages.shape[:2])
+
+
+def _check_distinct_slots(kv_lens, page_indices, cu_q_lens, t, num_pages, page):
+    """Refuse two new tokens written to the same cache slot (page, row): the DMAs would race and
+    the last writer win silently. Host values only (None: on device, unchecked, no host sync)."""
+    if kv_lens is None or page_indices is None or cu_q_lens is None or t == 0 or page_indices.size == 0:
+        return
+    with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):  # eager, on the host
+        pid, off = (np.asarray(a) for a in write_slots(jnp.asarray(kv_lens, jnp.int32), jnp.asarray(page_indices, jnp.int32),
+                                                       jnp.asarray(cu_q_lens, jnp.int32), t, num_pages, page))
+    rows = np.flatnonzero(pid >= 0)
+    slots = pid[rows].astype(np.int64) * page + off[rows]
+    _, first, counts = np.unique(slots, return_index=True, return_counts=True)
+    if (counts > 1).any():
+        slot = slots[first[np.argmax(counts > 1)]]
+        r1, r2 = rows[slots == slot][:2]
+        seq = np.searchsorted(np.asarray(cu_q_lens), [r1, r2], side="right") - 1
+        raise ValueError(f"new tokens {r1} (sequence {seq[0]}) and {r2} (sequence {seq[1]}) are both written to "
+                         f"page {slot // page}, row {slot % page}: page_indices must give every new token its own "
+                         f"cache slot (otherwise the last write silently wins)")
 
 
 def write_slots(kv_lens, page_indices, cu_q_lens, t, num_pages, page):
     """(page id, row in page) for each packed new token; page id -1 = do not write (padding rows,
     or a target outside the cache: a bad write is skipped rather than clamped onto another page)."""
     num_seqs, pps = page_indices.shape
+    if num_seqs == 0 or pps == 0:  # no sequence, or no pages: nothing to write
+        return jnp.full((t,), -1, jnp.int32), jnp.zeros((t,), jnp.int32)
     cu = sanitize_cu(cu_q_lens, t)
     r = jnp.arange(t, dtype=jnp.int32)
     seq = jnp.clip(jnp.searchsorted(cu, r, side="right") - 1, 0, num_seqs - 1)
@@ -515,8 +527,11 @@ def write_kv(
     """The caches with each sequence's new tokens [T, Hkv, D] written at positions
     kv_lens - q_len ... kv_lens - 1 of its pages. Outputs alias the cache inputs
     (input_output_aliases): under jit with donated caches this is an in-place update, one
-    [Hkv, D] DMA per token, HBM to HBM."""
+    [Hkv, D] DMA per token, HBM to HBM. Two new tokens may not share a cache slot (refused when
+    the metadata is on the host). No new tokens or no sequences: the caches unchanged."""
     validate_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens)
+    if new_k.shape[0] == 0 or page_indices.size == 0 or k_pages.size == 0:
+        return k_pages, v_pages
     t = new_k.shape[0]
     num_pages, page = k_pages.shape[:2]
     pid, off = write_slots(kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32),

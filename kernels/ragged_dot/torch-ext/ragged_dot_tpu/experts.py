@@ -61,6 +61,9 @@ def validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
     if down_proj.shape[0] != e or gu_out != 2 * dn_in:
         raise ValueError(f"gate_up_proj {tuple(gate_up_proj.shape)} must hold [gate; up] for the intermediate size "
                          f"of down_proj {tuple(down_proj.shape)} and the same number of experts")
+    if dn_in == 0 and e:
+        raise ValueError(f"the experts' intermediate size is 0 (down_proj {tuple(down_proj.shape)}); an expert MLP "
+                         f"needs at least one intermediate unit")
     for name, b, width in (("gate_up_bias", gate_up_bias, gu_out), ("down_bias", down_bias, h)):
         if b is not None:
             check_array(name, b, dtypes=pallas.DTYPES, ndim=2)
@@ -78,11 +81,16 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
 
     Mirrors transformers' grouped_mm numerics: the intermediate and the down output are in the
     weights' dtype, the routing weights multiply in the promoted dtype, top-k sums in f32.
+    No tokens, top_k = 0 or no (local) experts: zeros [T, H], no kernel runs.
     """
+    validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
+             alpha, limit, is_transposed, interleaved, implementation)  # JAX callers get the op's errors
     TRACES["experts"] += 1
     t, h = hidden_states.shape
     k = top_k_index.shape[1]
     e = gate_up_proj.shape[0]
+    if t * k * e * h == 0:  # nothing routed anywhere: every output row is an empty sum
+        return jnp.zeros((t, h), hidden_states.dtype)
     wdt = gate_up_proj.dtype
     ids = top_k_index.reshape(-1).astype(jnp.int32)
     key = jnp.where((ids >= 0) & (ids < e), ids, e)  # sentinels (and padding) sort past every group

@@ -33,10 +33,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._bridge import check_array, dtype_name
+from ._bridge import check_array, dtype_name, host_values
 from ._chips import CHIPS, Chip, MiB, tpu_generation
 
 DTYPES = ("float32", "bfloat16")
+# group sizes: every integer dtype, as jax.lax.ragged_dot (values travel as int32)
+SIZE_DTYPES = ("int32", "int64", "uint32", "uint64", "int16", "uint16", "int8", "uint8")
 ACTIVATIONS = ("none", "silu", "gelu_tanh", "swiglu_oai")
 
 
@@ -371,7 +373,7 @@ def validate(lhs, rhs, group_sizes, rhs_transposed=False, out_dtype="", tile_m=0
     """Clear errors before anything is traced or launched; sizes are checked when on the host."""
     check_array("lhs", lhs, dtypes=DTYPES, ndim=2)
     check_array("rhs", rhs, dtypes=DTYPES, ndim=3)
-    check_array("group_sizes", group_sizes, dtypes=("int32", "int64"), ndim=1)
+    check_array("group_sizes", group_sizes, dtypes=SIZE_DTYPES, ndim=1)
     if dtype_name(lhs) != dtype_name(rhs):
         raise TypeError(f"lhs and rhs must have the same dtype, got {dtype_name(lhs)} and {dtype_name(rhs)}")
     if out_dtype and out_dtype not in DTYPES:
@@ -388,30 +390,19 @@ def validate(lhs, rhs, group_sizes, rhs_transposed=False, out_dtype="", tile_m=0
     for name, t, unit in (("tile_m", tile_m, 8), ("tile_n", tile_n, 128)):
         if t < 0 or (t and t % unit):
             raise ValueError(f"{name} must be 0 (automatic) or a positive multiple of {unit}, got {t}")
-    sizes = host_values(group_sizes)
+    sizes = host_values(group_sizes)  # None on device or under jit: the kernel clamps (group_metadata)
     if sizes is not None:
+        sizes = sizes.astype(np.int64)
         if (sizes < 0).any():
             raise ValueError(f"group_sizes must be non-negative, got {sizes.tolist()}")
         if sizes.sum() > m:
             raise ValueError(f"group_sizes sum to {int(sizes.sum())}, more than the {m} rows of lhs")
 
 
-def host_values(x):
-    """x's values when they are already on the host (CPU torch tensor or CPU jax array), else None.
-
-    Never reads a device array: that would be a host sync on the hot path. Tracers and fake/meta
-    tensors have no values; on device the kernel clamps sizes instead (see group_metadata).
-    """
-    if isinstance(x, jax.core.Tracer):
-        return None
-    device = getattr(x, "device", None)
-    platform = getattr(device, "type", None) or getattr(device, "platform", None)
-    if platform != "cpu":
-        return None
-    try:
-        return np.asarray(x.tolist(), dtype=np.int64)
-    except Exception:  # noqa: BLE001 - FakeTensor and friends carry no data
-        return None
+def _is_empty(lhs, rhs) -> bool:
+    """A zero-size ragged_dot (m, k, n or the number of groups is 0): the result is all zeros
+    ([m, n], as jax.lax.ragged_dot), so no kernel runs (its blocks cannot be empty)."""
+    return 0 in lhs.shape or 0 in rhs.shape
 
 
 # --------------------------------------------------------------------------- ragged_dot with its VJP
@@ -430,6 +421,8 @@ def ragged_dot_backward(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, 
                         rhs_transposed: bool = False) -> tuple[jax.Array, jax.Array]:
     """(d lhs, d rhs) of ragged_dot: dlhs = the grouped matmul with rhs transposed (the other
     layout flag, same array), drhs = tgmm, in rhs's own layout. Runs in the input dtype."""
+    if _is_empty(lhs, rhs):  # zero-size forward: its gradients are zero (or empty)
+        return jnp.zeros_like(lhs), jnp.zeros_like(rhs)
     group_sizes = group_sizes.astype(jnp.int32)
     dout = dout.astype(lhs.dtype)  # backward matmuls run in the input dtype, f32 accumulation
     dlhs = gmm(dout, rhs, group_sizes, transposed=not rhs_transposed, out_dtype=lhs.dtype)
@@ -450,13 +443,17 @@ _ragged_dot.defvjp(_ragged_dot_fwd, _ragged_dot_bwd)
 def ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, rhs_transposed: bool = False,
                out_dtype: str = "", tile_m: int = 0, tile_n: int = 0) -> jax.Array:
     """jax.lax.ragged_dot on TPU: lhs [m, k], rhs [g, k, n] (or [g, n, k] with rhs_transposed),
-    group_sizes [g] int32 -> [m, n] in ``out_dtype`` (default lhs's), f32 accumulation.
+    group_sizes [g] (any integer dtype) -> [m, n] in ``out_dtype`` (default lhs's), f32 accumulation.
 
-    Rows of lhs are consecutive groups; rows past sum(group_sizes) come out zero. Differentiable
-    in lhs and rhs. tile_m / tile_n: 0 picks them per chip and shape (see choose_gmm_tiling).
+    Rows of lhs are consecutive groups; rows past sum(group_sizes) come out zero. Zero sizes give
+    jax.lax.ragged_dot's result: m = 0 -> [0, n]; k = 0 or no groups -> zeros [m, n].
+    Differentiable in lhs and rhs. tile_m / tile_n: 0 picks them per chip and shape (see
+    choose_gmm_tiling).
     """
     validate(lhs, rhs, group_sizes, rhs_transposed, out_dtype, tile_m, tile_n)
     cfg = (bool(rhs_transposed), out_dtype or dtype_name(lhs), int(tile_m), int(tile_n))
+    if _is_empty(lhs, rhs):
+        return jnp.zeros((lhs.shape[0], rhs.shape[1] if rhs_transposed else rhs.shape[2]), cfg[1])
     return _ragged_dot(lhs, rhs, group_sizes.astype(jnp.int32), cfg)
 
 
