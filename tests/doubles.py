@@ -80,7 +80,7 @@ def make_kernel(root: Path, name: str = "double-tpu", *, version: int = 1, org: 
         version = {version}
         edition = 5
         license = "Apache-2.0"
-        backends = ["tpu"]
+        backends = ["tpu", "cpu"]
         [general.hub]
         repo-id = "{org}/{name}"
         [torch-noarch]

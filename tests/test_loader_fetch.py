@@ -46,7 +46,7 @@ def test_untrusted_repo_is_refused_with_how_to_trust_it(tmp_path):
     hub = LocalHub(tmp_path / "hub")
     spec = build_double(tmp_path / "src", mark=str(tmp_path))  # unique code, so a unique module id
     hub.publish(spec, progress=None)
-    module_id = json.loads((spec.path / "build" / "torch-universal" / "metadata.json").read_text())["id"]
+    module_id = json.loads((spec.path / "build" / "torch-cpu" / "metadata.json").read_text())["id"]
     for trust in ([], [OTHER], ["pallas-hub-tests/double"], REPO):  # exact repo ids only; a bare string is not a list
         with pytest.raises(UntrustedRepo, match=r"trust=\['pallas-hub-tests/double-tpu'\] \(CLI: --trust "):
             fetch(REPO, 1, trust=trust, source=hub)
@@ -70,17 +70,17 @@ def test_missing_version_lists_the_versions_that_exist(hub, tmp_path, fake):
 
 def test_tampered_local_hub_is_refused_and_the_rest_stays_usable(hub, tmp_path):
     commit = hub.versions(REPO)[1]
-    victim = hub.snapshot(REPO, commit) / "build" / "torch-universal" / "_bridge.py"
+    victim = hub.snapshot(REPO, commit) / "build" / "torch-tpu" / "_bridge.py"
     victim.write_bytes(victim.read_bytes() + b"\nimport os  # injected\n")
-    with pytest.raises(DigestMismatch, match=r"build/torch-universal does not match its digest: File hash mismatch "
+    with pytest.raises(DigestMismatch, match=r"build/torch-tpu does not match its digest: File hash mismatch "
                                              r"for _bridge.py.*Nothing was imported"):
         fetch(REPO, 1, trust=[REPO], source=hub)
     assert fetch(OTHER, 1, trust=[OTHER], source=hub).module  # another kernel of the same hub still loads
-    meta_file = hub.snapshot(REPO, commit) / "build" / "torch-tpu" / "metadata.json"
+    meta_file = hub.snapshot(REPO, commit) / "build" / "torch-cpu" / "metadata.json"  # checked first
     meta = json.loads(meta_file.read_text())
     del meta["digest"]
     meta_file.write_text(json.dumps(meta))
-    with pytest.raises(DigestMismatch, match="torch-tpu has a metadata.json with no digest, so it cannot be verified"):
+    with pytest.raises(DigestMismatch, match="torch-cpu has a metadata.json with no digest, so it cannot be verified"):
         fetch(REPO, 1, trust=[REPO], source=hub)
     hub.publish(manifest.load_kernel(tmp_path / "src" / "double-tpu"), progress=None)  # republishing repairs it
     assert fetch(REPO, 1, trust=[REPO], source=hub).commit == commit
@@ -135,11 +135,10 @@ def test_a_variant_that_does_not_fit_the_host_names_the_variants(tmp_path, monke
     import shutil
 
     spec = build_double(tmp_path / "src")
-    shutil.rmtree(spec.path / "build" / "torch-universal")  # a TPU-only upload
+    shutil.rmtree(spec.path / "build" / "torch-cpu")  # a TPU-only upload
     hub = LocalHub(tmp_path / "hub")
     hub.publish(spec, progress=None)
-    with pytest.raises(NoVariant, match=r"no build variant fits this host \(no TorchTPU: cpu\); the variants "
-                                        r"available are: torch-tpu"):
+    with pytest.raises(NoVariant, match=r"has no build for this host's backend \(cpu\); it publishes torch-tpu\. "):
         fetch(REPO, 1, trust=[REPO], source=hub)
     # on a TorchTPU host (torch_tpu 0.2.0 leaves torch.backends.tpu unset) the loader selects torch-tpu itself
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: types.SimpleNamespace(type="tpu"))
@@ -147,8 +146,25 @@ def test_a_variant_that_does_not_fit_the_host_names_the_variants(tmp_path, monke
     assert got.variant == "torch-tpu" and not hasattr(torch.backends, "tpu")  # the shim is removed afterwards
 
 
+@pytest.mark.parametrize("host", ["cuda", "metal"])
+def test_a_cuda_or_mps_host_is_told_at_load_time_that_no_build_fits(hub, monkeypatch, host):
+    """SIMULATED hosts: torch.version.cuda / torch.backends.mps.is_available are patched so that kernels'
+    backend detection sees a CUDA or Metal (MPS) host. kernels would accept a torch-universal build there
+    (and the first op would refuse the tensors); we publish none, so the load itself says why."""
+    from kernels.backends import _backend
+
+    if host == "cuda":
+        monkeypatch.setattr(torch.version, "cuda", "12.8")
+    else:
+        monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert _backend().name == host
+    with pytest.raises(NoVariant, match=rf"no build for this host's backend \({host}\); it publishes torch-cpu, "
+                                        r"torch-tpu\. .*no build for CUDA, ROCm, XPU or Metal \(MPS\) hosts"):
+        fetch(REPO, 1, trust=[REPO], source=hub)
+
+
 def test_torchtpu_host_prefers_the_tpu_variant(hub, monkeypatch):
-    assert fetch(REPO, 1, trust=[REPO], source=hub).variant == "torch-universal"
+    assert fetch(REPO, 1, trust=[REPO], source=hub).variant == "torch-cpu"
     monkeypatch.setattr(fetch_mod, "on_torchtpu_host", lambda: True)
     assert fetch(REPO, 1, trust=[REPO], source=hub).variant == "torch-tpu"
 
@@ -207,7 +223,7 @@ def test_a_lock_file_pins_commit_and_digest_and_is_honoured_offline(hub, fake, t
         fetch(REPO, 2, trust=[REPO], source=hub, lock=read_lock(lock))
 
     # a consistent rewrite (file and its metadata digest both changed) passes the digest but not the lock
-    variant = hub.snapshot(REPO, first.commit) / "build" / "torch-universal"
+    variant = hub.snapshot(REPO, first.commit) / "build" / "torch-cpu"
     meta = json.loads((variant / "metadata.json").read_text())
     meta["license"] = "changed"
     (variant / "metadata.json").write_text(json.dumps(meta))

@@ -101,7 +101,7 @@ def cmd_fetch(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from .hub.build import VARIANTS, variant_files
+    from .hub.build import variant_files
     from .hub.publish import LocalHub
 
     local = LocalHub(args.local_hub)
@@ -115,7 +115,7 @@ def cmd_list(args) -> int:
     for spec in manifest.kernels.values():
         build = spec.path / "build"
         fresh = all((build / v / rel).is_file() and (build / v / rel).read_bytes() == data
-                    for v in VARIANTS for rel, data in variant_files(spec, v).items())
+                    for v in spec.variants for rel, data in variant_files(spec, v).items())
         built = "built, up to date" if fresh else ("built, STALE" if build.is_dir() else "not built")
         print(f"{spec.key:<18} {spec.repo_id:<36} v{spec.version:<3} {built}")
         versions = local.versions(spec.repo_id)
@@ -163,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("kernels", nargs="*", help="kernel keys or Hub names from build.toml (default: all)")
         p.add_argument("--path", action="append", help="a kernel folder outside the manifest (repeatable)")
 
-    p = command("build", help="build kernels into kernels/<name>/build/{torch-tpu,torch-universal}")
+    p = command("build", help="build kernels into kernels/<name>/build/{torch-tpu,torch-cpu}")
     kernel_args(p)
     p.set_defaults(fn=cmd_build)
     p = command("check", help="compile every declared configuration for each TPU generation")

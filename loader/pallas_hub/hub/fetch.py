@@ -16,7 +16,8 @@ Order of a fetch (nothing is imported before it is verified):
 5. ``kernels.get_kernel(repo, version=N | revision=commit, trust_remote_code=[repo])`` resolves the
    variant and imports it, offline, from that verified cache, with bytecode removed first and none
    written, and never from a ``LOCAL_KERNELS`` override. On a TorchTPU host (torch_tpu 0.2.0 does
-   not set ``torch.backends.tpu``) the loader sets it for the call so the ``torch-tpu`` variant wins.
+   not set ``torch.backends.tpu``) the loader sets it for the call so the ``torch-tpu`` variant wins;
+   a CPU host gets ``torch-cpu``; any other host (CUDA, ROCm, XPU, Metal) gets ``NoVariant``, which says so.
 """
 
 from __future__ import annotations
@@ -513,6 +514,21 @@ def _hub_settings(cache_dir: Path, tpu: bool):
             del torch.backends.tpu
 
 
+def host_backend() -> str:
+    """The backend kernels resolves variants for on this host ("cpu", "cuda", "rocm", "metal", "xpu", "tpu", ...)."""
+    from kernels.backends import _backend
+
+    return _backend().name
+
+
+def no_variant_message(what: str, have: list[str], backend: str) -> str:
+    """Why a kernel has no build for this host, and what to do (a Pallas kernel runs on TPU or CPU only)."""
+    return (f"{what} has no build for this host's backend ({backend}); it publishes {', '.join(have) or 'none'}. "
+            "Pallas TPU kernels run on TorchTPU (torch-tpu) or on CPU in Pallas interpret mode (torch-cpu, slow, "
+            "exact); there is no build for CUDA, ROCm, XPU or Metal (MPS) hosts. Use a TPU VM with TorchTPU, or load the "
+            "CPU build explicitly (kernels: get_kernel(..., backend=\"cpu\")) and pass CPU tensors.")
+
+
 def _local_override(repo_id: str) -> str | None:
     """The folder ``LOCAL_KERNELS`` (kernels' override, ``repo=path:repo=path``) gives for ``repo_id``."""
     for entry in os.environ.get("LOCAL_KERNELS", "").split(":"):
@@ -591,10 +607,8 @@ def fetch(repo_id: str, version: int | None = None, *, trust: list[str] | tuple[
             except FileNotFoundError as e:
                 if "Cannot find a build variant" not in str(e):
                     raise KernelImportError(f"{what}: kernels could not load the verified snapshot ({e})") from e
-                have = ", ".join(sorted(p.name for p in (snapshot / "build").iterdir() if p.is_dir()))
-                host = "TorchTPU (tpu)" if tpu else "this host (no TorchTPU: cpu)"
-                raise NoVariant(f"{what}: no build variant fits {host}; the variants available are: {have}. "
-                                "Pallas kernels need torch-tpu (TorchTPU hosts) or torch-universal (any host).") from None
+                have = sorted(p.name for p in (snapshot / "build").iterdir() if p.is_dir())
+                raise NoVariant(no_variant_message(what, have, "tpu" if tpu else host_backend())) from None
             except Exception as e:
                 raise KernelImportError(
                     f"{what}: importing the kernel raised {type(e).__name__}: {e}. Its files are the verified ones, so the "
