@@ -1,6 +1,7 @@
 """Reliability and security of fetching (issue item 6), each with its failure provoked for real."""
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -11,7 +12,8 @@ from fakehub import FakeHub
 from doubles import build_double
 
 from pallas_hub.hub import fetch as fetch_mod, manifest
-from pallas_hub.hub.fetch import (DigestMismatch, Hub, HubError, HubUnreachable, LockMismatch, NoVariant, UntrustedRepo,
+from pallas_hub.hub.fetch import (DigestMismatch, Hub, HubError, HubUnreachable, LockFileError, LockMismatch, NoVariant,
+                              UntrustedRepo,
                               VersionNotFound, fetch, read_lock, write_lock)
 from pallas_hub.hub.publish import LocalHub, publish_hub
 
@@ -208,7 +210,7 @@ def test_concurrent_fetches_of_one_kernel_do_not_corrupt_the_cache(fake, tmp_pat
 
 
 def test_a_lock_file_pins_commit_and_digest_and_is_honoured_offline(hub, fake, tmp_path):
-    lock = tmp_path / "kernels.lock"
+    lock = tmp_path / "pallas-hub.lock"
     first = fetch(REPO, 1, trust=[REPO], source=hub)
     write_lock(lock, [first])
     entry = json.loads(lock.read_text())["kernels"][0]
@@ -238,3 +240,38 @@ def test_a_lock_file_pins_commit_and_digest_and_is_honoured_offline(hub, fake, t
     offline = Hub(endpoint=fake.url, cache_dir=cache, offline=True)
     assert fetch(REPO, trust=[REPO], source=offline, lock=read_lock(lock)).commit == online.commit
     assert fetch(REPO, 1, trust=[REPO], source=offline).commit == online.commit
+
+
+def test_our_lock_file_never_takes_the_kernels_librarys_name_or_format(hub, fake, tmp_path, monkeypatch, capsys):
+    """kernels.lock belongs to the kernels library (`kernels lock` writes it, `kernels download` reads it): writing
+    pallas-hub's format there made `kernels download .` fail with "Cannot parse KernelLocks"."""
+    from kernels._rust import KernelDependency, KernelLock, KernelLocks, KernelVersion
+
+    from pallas_hub import cli, load
+
+    with pytest.raises(LockFileError, match=r"kernels.lock is the kernels library's lock file .* as pallas-hub.lock"):
+        load([REPO], version=1, trust=[REPO], source=hub, write_lock_to=tmp_path / "kernels.lock", do_register=False)
+    assert not (tmp_path / "kernels.lock").exists()
+    assert cli.main(["fetch", REPO, "--version", "1", "--trust", REPO, "--local-hub", str(hub.root),
+                     "--write-lock", str(tmp_path / "kernels.lock")]) == 1
+    assert "write pallas-hub's lock file as pallas-hub.lock" in capsys.readouterr().err
+
+    # ours, under its own name, beside a real kernels.lock: `kernels download` reads its file, we read ours
+    ours = tmp_path / "pallas-hub.lock"
+    source = Hub(endpoint=fake.url, cache_dir=tmp_path / "ours")
+    load([REPO], version=1, trust=[REPO], source=source, write_lock_to=ours, do_register=False)
+    commit = read_lock(ours)[REPO]["commit"]
+    assert commit == fake.commit
+    theirs = KernelLocks(locks={KernelDependency(REPO, KernelVersion.Version(1)): KernelLock(commit)}).to_json()
+    (tmp_path / "kernels.lock").write_text(theirs)
+    with pytest.raises(LockFileError, match=r"kernels.lock is a kernels library lock file .* not pallas-hub's "
+                                            r"pallas-hub.lock"):
+        read_lock(tmp_path / "kernels.lock")
+    env = {**os.environ, "HF_ENDPOINT": fake.url, "HF_HUB_CACHE": str(tmp_path / "theirs"),
+           "KERNELS_CACHE": str(tmp_path / "theirs"), "HF_TOKEN": "hf_fake"}
+    done = subprocess.run([sys.executable, "-c", "import sys; from kernels.cli import main; sys.exit(main())", "download",
+                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"Downloading kernel: {REPO} (revision: {commit})" in done.stderr
+    assert (tmp_path / "theirs" / "kernels--pallas-hub-tests--double-tpu" / "snapshots" / commit / "build" /
+            "torch-cpu" / "metadata.json").is_file()

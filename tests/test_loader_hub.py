@@ -91,7 +91,7 @@ def test_publish_to_the_hub_api_and_download_back_through_kernels_get_kernel(ker
 def test_cli_publish_fetch_list(kernel, tmp_path, capsys):
     hub = str(tmp_path / "hub")
     assert cli.main(["publish", "--path", str(kernel.path), "--local-hub", hub]) == 0
-    lock = tmp_path / "kernels.lock"
+    lock = tmp_path / "pallas-hub.lock"
     assert cli.main(["fetch", REPO, "--version", "1", "--local-hub", hub]) == 1  # not trusted
     assert "--trust pallas-hub-tests/double-tpu" in capsys.readouterr().err
     assert cli.main(["fetch", REPO, "--version", "1", "--trust", REPO, "--local-hub", hub,

@@ -275,7 +275,7 @@ def _cli(capsys, *argv):
      + '", "version": "1"}]}', r"version '1' is not an integer"),
 ])
 def test_a_malformed_lock_file_gets_a_message(published, tmp_path, capsys, text, message):
-    lock = tmp_path / "kernels.lock"
+    lock = tmp_path / "pallas-hub.lock"
     lock.write_text(text)
     with pytest.raises(LockFileError, match=message + r".*write it again"):
         read_lock(lock)
@@ -288,7 +288,7 @@ def test_cli_usage_mistakes_get_a_message_and_a_remedy(published, capsys):
     assert code == 2 and "fetch needs --version N" in err
     code, err = _cli(capsys, "fetch", "ragged_dot", "--version", "1", "--trust", "ragged_dot")
     assert code == 2 and "'ragged_dot' is the manifest's kernel ragged_dot: fetch it as pallas-hub/ragged-dot-tpu" in err
-    code, err = _cli(capsys, "fetch", "--lock", "/nonexistent/kernels.lock", "--trust", REPO)
+    code, err = _cli(capsys, "fetch", "--lock", "/nonexistent/pallas-hub.lock", "--trust", REPO)
     assert code == 1 and "no such lock file" in err
     with pytest.raises(cli.UsageError):  # --debug: the traceback, for whoever needs it
         cli.main(["fetch", "a--b/c", "--version", "1", "--debug"])

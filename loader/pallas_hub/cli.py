@@ -185,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("repos", nargs="*", help="repo ids org/name")
     p.add_argument("--version", type=int, help="the version (branch v<N>) to fetch")
     p.add_argument("--trust", action="append", help="a repo id you trust (repeatable); nothing is trusted by default")
-    p.add_argument("--lock", help="a pallas-hub lock file: fetch exactly the commits and digests it pins")
-    p.add_argument("--write-lock", help="write what was fetched to this lock file")
+    p.add_argument("--lock", help="a pallas-hub lock file (pallas-hub.lock): fetch exactly the commits and digests it pins")
+    p.add_argument("--write-lock", help="write what was fetched to this lock file (pallas-hub.lock; kernels.lock is the "
+                   "kernels library's and is refused)")
     hub_args(p, "fetch from the Hugging Face Hub instead of the local hub")
     p.set_defaults(fn=cmd_fetch)
     p = command("list", help="the manifest's kernels: built, published (local hub; --hub for the Hub), versions")

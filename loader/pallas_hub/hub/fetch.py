@@ -429,15 +429,25 @@ def remove_bytecode(folder: Path) -> None:
 
 # --------------------------------------------------------------------------- lock files
 
+# pallas-hub's lock file: its own name, since `kernels.lock` is the kernels library's (written by `kernels lock`,
+# read by `kernels download` and kernels.load_kernel, in a format that pins commits but no digests).
+LOCK_FILE = "pallas-hub.lock"
+KERNELS_LOCK_FILE = "kernels.lock"
+
+
 def read_lock(path: Path | str) -> dict[str, dict]:
     """{repo_id: {"repo_id", "version", "commit", "digest"}} from a pallas-hub lock file, checked strictly."""
-    remedy = "write it again from a fetch you trust: pallas-hub fetch REPO --version N --trust REPO --write-lock FILE"
+    remedy = (f"write it again from a fetch you trust: pallas-hub fetch REPO --version N --trust REPO --write-lock "
+              f"{LOCK_FILE}")
     try:
         data = json.loads(Path(path).read_bytes())
     except FileNotFoundError:
         raise LockFileError(f"{path}: no such lock file; {remedy}") from None
     except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise LockFileError(f"{path}: not a pallas-hub lock file ({type(e).__name__}: {e}); {remedy}") from None
+    if isinstance(data, list):  # kernels' KernelLocks: [{"dependency": ..., "lock": {"commit": ...}}]
+        raise LockFileError(f"{path} is a kernels library lock file (`kernels lock`; it pins commits, no digests), "
+                            f"not pallas-hub's {LOCK_FILE}; use it with `kernels download`, and {remedy}")
     if not isinstance(data, dict) or not isinstance(data.get("kernels"), list):
         raise LockFileError(f"{path}: not a pallas-hub lock file (expected {{\"kernels\": [...]}}); {remedy}")
     out = {}
@@ -461,7 +471,15 @@ def read_lock(path: Path | str) -> dict[str, dict]:
     return out
 
 
+def check_lock_target(path: Path | str) -> None:
+    """Refuse to write pallas-hub's lock where the kernels library's lock file belongs (before anything is fetched)."""
+    if Path(path).name == KERNELS_LOCK_FILE:
+        raise LockFileError(f"{path}: {KERNELS_LOCK_FILE} is the kernels library's lock file (`kernels download` reads it "
+                            f"in its own format); write pallas-hub's lock file as {LOCK_FILE}")
+
+
 def write_lock(path: Path | str, fetched: list[Fetched]) -> None:
+    check_lock_target(path)
     entries = sorted((f.lock_entry() for f in fetched), key=lambda e: e["repo_id"])
     Path(path).write_text(json.dumps({"pallas-hub-lock": 1, "kernels": entries}, indent=2) + "\n")
 

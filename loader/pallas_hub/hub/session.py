@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .fetch import Fetched, fetch, read_lock, write_lock
+from .fetch import Fetched, check_lock_target, fetch, read_lock, write_lock
 from .register import Registration, register
 
 
@@ -41,7 +41,8 @@ def load(repos: list[str] | dict[str, int] | None = None, *, trust: list[str] | 
     for all; ``None`` means every kernel of this repository's manifest at its build.toml version.
     ``trust``: the explicit allow-list of repo ids (nothing is trusted by default).
     ``source``: ``LocalHub(...)`` (default: the local hub) or ``Hub(endpoint=..., cache_dir=...)``.
-    ``lock``: a lock file whose commits and digests are enforced; ``write_lock_to``: record what was loaded.
+    ``lock``: a lock file whose commits and digests are enforced; ``write_lock_to``: record what was loaded
+    (pallas-hub's own lock file, conventionally ``pallas-hub.lock``; ``kernels.lock`` is the kernels library's).
     If anything fails, whatever was registered already is undone.
     """
     if repos is None:
@@ -50,6 +51,8 @@ def load(repos: list[str] | dict[str, int] | None = None, *, trust: list[str] | 
         repos = {k.repo_id: k.version for k in load_manifest().kernels.values()}
     elif not isinstance(repos, dict):
         repos = {r: version for r in repos}
+    if write_lock_to is not None:
+        check_lock_target(write_lock_to)
     pins = read_lock(lock) if lock is not None else None
     loaded = Loaded([], Registration())
     try:
