@@ -308,12 +308,12 @@ def test_a_kernel_whose_import_raises_gets_a_message(tmp_path, capsys):
 def test_publish_to_the_hub_without_a_token_or_a_network_gets_a_message(tmp_path, monkeypatch, capsys):
     import socket
 
-    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_TOKEN", "hf_revoked")  # (no token at all: tests/test_cli.py)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no token file either
     monkeypatch.setattr("huggingface_hub.constants.HF_TOKEN_PATH", str(tmp_path / "hf-home" / "token"))
     spec = manifest.load_kernel(make_kernel(tmp_path / "src"))
     with FakeHub() as fake:
-        fake.require_token = True
+        fake.require_token = "hf_valid"
         code, err = _cli(capsys, "publish", "--path", str(spec.path), "--endpoint", fake.url)
         assert code == 1 and "refused the request (401: not logged in" in err and "hf auth login" in err
     with socket.socket() as s:  # a port on loopback with nothing listening

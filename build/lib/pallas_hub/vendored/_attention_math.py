@@ -1,0 +1,99 @@
+"""Attention math shared by the flash and paged attention kernels (one source, in
+``pallas_hub/vendored/``; the build copies it into each package that imports ``_attention_math``).
+
+Everything here works both inside a Pallas kernel body (on block values) and on whole arrays.
+Semantics follow transformers:
+  * positions are absolute: a query at row i of a sequence whose KV holds L tokens and which brings
+    lq new tokens sits at position (L - lq) + i (causal is bottom-right aligned);
+  * causal: k_pos <= q_pos; sliding window W: k_pos > q_pos - W (transformers' `kv_idx > q_idx - W`);
+  * soft-capping (Gemma-2): s = cap * tanh(s / cap), after scaling;
+  * sinks (GPT-OSS's s_aux): one extra logit per head in the softmax denominator, no value;
+  * a query row with no allowed key gives 0, never NaN.
+"""
+
+import jax
+import jax.numpy as jnp
+
+# Finite, so that running maxima of fully masked rows stay finite (exp(-inf - -inf) would be NaN);
+# masked probabilities are zeroed explicitly, so the value itself never leaks into a result.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def allowed(q_pos, k_pos, *, causal: bool, window: int | None):
+    """Which (query, key) position pairs may attend; q_pos [..., q, 1], k_pos [..., 1, k] broadcast."""
+    ok = jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), dtype=jnp.bool_)
+    if causal:
+        ok &= k_pos <= q_pos
+    if window is not None:
+        ok &= k_pos > q_pos - window
+    return ok
+
+
+def scores(q, k, *, scale: float, softcap: float | None):
+    """f32 logits q @ k^T (contracting the last dims), scaled then soft-capped."""
+    s = jax.lax.dot_general(q, k, (((q.ndim - 1,), (k.ndim - 1,)), ((), ())), preferred_element_type=jnp.float32)
+    s = s * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    return s
+
+
+def online_softmax_step(m, l, acc, s, ok, v):
+    """Fold one block of logits ``s`` [q, k] (``ok`` masks it) and values ``v`` [k, d] into the
+    running max ``m`` [q, 1], denominator ``l`` [q, 1] and f32 accumulator ``acc`` [q, d]."""
+    s = jnp.where(ok, s, MASK_VALUE)
+    m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
+    p = jnp.where(ok, jnp.exp(s - m_new), 0.0)
+    alpha = jnp.exp(m - m_new)
+    l_new = alpha * l + p.sum(axis=-1, keepdims=True)
+    pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return m_new, l_new, alpha * acc + pv
+
+
+def finalize(m, l, acc, sink=None):
+    """Output rows acc / l, with an optional sink logit per row joining the denominator.
+
+    Returns (out f32 [q, d], log-sum-exp [q, 1]); rows with nothing to attend give 0 and lse = MASK_VALUE.
+    """
+    if sink is not None:
+        sink = jnp.asarray(sink, jnp.float32)
+        m_all = jnp.maximum(m, sink)
+        scale = jnp.exp(m - m_all)
+        l = l * scale + jnp.exp(sink - m_all)
+        acc = acc * scale
+        m = m_all
+    empty = l == 0.0
+    out = jnp.where(empty, 0.0, acc / jnp.where(empty, 1.0, l))
+    lse = jnp.where(empty, MASK_VALUE, m + jnp.log(jnp.where(empty, 1.0, l)))
+    return out, lse
+
+
+def reference_attention(q, k, v, *, scale, causal=True, window=None, softcap=None, sinks=None,
+                        q_lens=None, kv_lens=None):
+    """Dense attention in plain JAX, f32, the reference every kernel test compares to.
+
+    q [B, Hq, Sq, D], k/v [B, Hkv, Sk, D] (GQA: Hq a multiple of Hkv). ``kv_lens`` [B]: keys past it
+    are padding; ``q_lens`` [B]: queries past it are padding (their rows are 0). Queries of batch b
+    are the last q_lens[b] tokens of its kv_lens[b] (bottom-right). ``sinks`` [Hq]. Returns f32.
+    """
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    kv_lens = jnp.full((b,), sk) if kv_lens is None else jnp.asarray(kv_lens)
+    q_lens = jnp.full((b,), sq) if q_lens is None else jnp.asarray(q_lens)
+    qg = q.astype(jnp.float32).reshape(b, hkv, hq // hkv, sq, d)
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", qg, k.astype(jnp.float32)) * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    q_pos = (kv_lens - q_lens)[:, None, None, None, None] + jnp.arange(sq)[:, None]
+    k_pos = jnp.arange(sk)[None, :]
+    ok = allowed(q_pos, k_pos, causal=causal, window=window)
+    ok &= (k_pos < kv_lens[:, None, None, None, None]) & (jnp.arange(sq)[:, None] < q_lens[:, None, None, None, None])
+    s = jnp.where(ok, s, -jnp.inf)
+    if sinks is not None:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, hkv, hq // hkv, 1, 1), s.shape[:-1] + (1,))
+        s = jnp.concatenate([s, sink], axis=-1)
+    p = jnp.nan_to_num(jax.nn.softmax(s, axis=-1))  # rows of all -inf give NaN: they are 0
+    if sinks is not None:
+        p = p[..., :-1]
+    out = jnp.einsum("bhgqk,bhkd->bhgqd", p, v.astype(jnp.float32))
+    return out.reshape(b, hq, sq, d)
