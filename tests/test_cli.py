@@ -72,6 +72,9 @@ def test_a_non_editable_install_works_on_the_checkout_it_runs_in(tmp_path):
     assert (other / "kernels" / "double" / "build" / "torch-tpu" / "_bridge.py").is_file()  # vendored from the wheel
     got = run("--version")
     assert got.stdout.strip().endswith(f"pallas-hub {__version__}")
+    got = run("new", "softplus")  # the templates are in the wheel
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert (other / "kernels" / "softplus" / "torch-ext" / "softplus_tpu" / "pallas.py").is_file()
 
 
 def test_list_says_once_that_the_hub_is_unreachable(tmp_path, monkeypatch, capsys):

@@ -39,6 +39,21 @@ def _specs(args) -> list[mf.KernelSpec]:
     return _manifest(args).select(args.kernels)
 
 
+def cmd_new(args) -> int:
+    from .hub.scaffold import new_kernel, next_steps
+
+    manifest = _manifest(args)
+    spec, files = new_kernel(manifest, args.name, args.key)
+    print(f"created {spec.path} ({spec.repo_id} v{spec.version}, package {spec.package}): {len(files)} files, "
+          f"and [kernels.{spec.key}] in {manifest.file}")
+    for path in files:
+        print(f"  {path.relative_to(manifest.root)}")
+    print("next:")
+    for line in next_steps(spec, manifest.root):
+        print(f"  {line}")
+    return 0
+
+
 def cmd_build(args) -> int:
     from .hub.build import build_kernel
 
@@ -186,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("kernels", nargs="*", help="kernel keys or Hub names from build.toml (default: all)")
         p.add_argument("--path", action="append", help="a kernel folder outside the manifest (repeatable)")
 
+    p = command("new", help="start a new kernel: kernels/<key>/ with a working Pallas kernel, its tests and "
+                "declarations, and its manifest entry")
+    p.add_argument("name", help="the kernel's Hub name, e.g. softplus ('-tpu' is added: softplus-tpu)")
+    p.add_argument("--key", help="the folder and manifest key (default: the name without -tpu, '_' for '-')")
+    p.set_defaults(fn=cmd_new)
     p = command("build", help="build kernels into kernels/<name>/build/{torch-tpu,torch-cpu}")
     kernel_args(p)
     p.set_defaults(fn=cmd_build)

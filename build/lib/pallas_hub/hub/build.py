@@ -129,6 +129,19 @@ def provenance(spec: KernelSpec) -> tuple[str | None, dict | None]:
     return source, ({"commit": commit, "dirty": bool(dirty)} if commit else None)
 
 
+def source_location(spec: KernelSpec) -> str | None:
+    """Where the kernel's code lives, for its published card: the repository URL, the kernel's folder
+    in it and the commit (None without a source URL)."""
+    source, git = provenance(spec)
+    if not source:
+        return None
+    folder = (_git(spec.path, "rev-parse", "--show-prefix") or "").rstrip("/")
+    where = f"{source}" + (f", folder `{folder}`" if folder else "")
+    if git:
+        where += f", commit `{git['commit']}`" + (" with uncommitted changes" if git["dirty"] else "")
+    return where
+
+
 def variant_files(spec: KernelSpec, variant: str) -> dict[str, bytes]:
     """Every file of one variant folder, by relative path (metadata.json included)."""
     if variant not in spec.variants:

@@ -2,7 +2,7 @@
 
 Both hold the same repository layout, the one `kernels` resolves (and kernel-builder uploads):
 branch ``v<version>`` has ``build/<variant>/**`` and ``benchmarks/benchmark*.py``; ``main`` has the
-card (``CARD.md``) as ``README.md``.
+card (``CARD.md``) as ``README.md``, with the files it links and a line naming the source repository.
 
 The local hub is a Hugging Face cache folder (``kernels--<org>--<name>/refs/v<N>`` holding a commit
 id, ``snapshots/<commit>/...`` holding the files), so ``kernels.get_kernel(repo, version=N)``
@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 from .build import VariantError, locked, verify_variant
-from .manifest import KernelSpec
+from .manifest import KernelSpec, ManifestError
 
 # PALLAS_HUB_LOCAL overrides where the local hub lives.
 DEFAULT_LOCAL_HUB = Path(os.environ.get("PALLAS_HUB_LOCAL") or Path.home() / ".cache" / "pallas-hub" / "hub")
@@ -66,9 +67,34 @@ def version_files(spec: KernelSpec, build_dir: Path | None = None) -> dict[str, 
     return files
 
 
+# a Markdown link or image, [text](target "title"): what a card cites, published beside it
+_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
 def main_files(spec: KernelSpec) -> dict[str, bytes]:
+    """What branch ``main`` holds: the card (CARD.md) as README.md, with a line saying where the code lives
+    when the source repository is known, and every file of the kernel folder that the card links (figures,
+    tables), at the same relative path, so that nothing the card cites is missing on the Hub."""
+    from .build import source_location
+
     card = spec.path / "CARD.md"
-    return {"README.md": card.read_bytes()} if card.is_file() else {}
+    if not card.is_file():
+        return {}
+    text = card.read_text()
+    files = {}
+    for target in _LINK.findall(text):
+        if re.match(r"^([a-z][a-z0-9+.-]*:|#|/)", target):  # a URL, an anchor, an absolute path
+            continue
+        rel = target.split("#", 1)[0]
+        path = (spec.path / rel).resolve()
+        if not path.is_relative_to(spec.path.resolve()) or not path.is_file():
+            raise ManifestError(f"{card} links {target!r}, which is not a file of {spec.path}; a card is published with "
+                                "the files it links, so they must be in the kernel's folder")
+        files[path.relative_to(spec.path.resolve()).as_posix()] = path.read_bytes()
+    where = source_location(spec)
+    footer = f"\n---\n\nSource: {where}. Published with pallas-hub.\n" if where else ""
+    files["README.md"] = (text.rstrip("\n") + "\n" + footer).encode() if footer else card.read_bytes()
+    return files
 
 
 def redirected(repo: Path, commit: str) -> list[Path]:
@@ -290,7 +316,7 @@ def _upload(spec: KernelSpec, files: dict[str, bytes], api, repo_id: str, privat
 
     pushed = sync(branch, files, lambda rel: rel.startswith(MANAGED))
     if main := main_files(spec):
-        sync("main", main, lambda rel: rel == "README.md")
+        sync("main", main, lambda rel: False)  # main also holds what others put there: nothing is deleted
     if create_pr:
         return pushed.pr_url if pushed is not None else ""
     refs = api.list_repo_refs(repo_id, repo_type=REPO_TYPE)

@@ -116,15 +116,16 @@ def run(kernel: str, configs: list[Config], chips: tuple[str, ...] | None = None
 def _plan(specs: list[mf.KernelSpec], chips, build_root: Path, progress) -> list[tuple[str, Config, str]]:
     """Build and import every kernel (into ``build_root``) and list what its compile_matrix.py declares."""
     from ..hub.build import build_kernel, load_built
+    from ..hub.declarations import declaration
 
     items = []
     for spec in specs:
-        matrix_file = spec.path / "compile_matrix.py"
-        if not matrix_file.exists():
+        matrix = declaration(spec, "compile_matrix")
+        if matrix is None:
             progress(f"{spec.name}: no compile_matrix.py, nothing declared")
             continue
         kernel = load_built(build_kernel(spec, build_root / spec.key))
-        items += _items(spec.name, load_configs(matrix_file, kernel), chips)
+        items += _items(spec.name, list(matrix.configs(kernel)), chips)
     return items
 
 
