@@ -11,23 +11,10 @@ import jax.numpy as jnp
 
 from pallas_hub.hub import manifest
 from pallas_hub.hub.declarations import BenchImpl, bench_declaration, declaration
+from pallas_hub.vendored._attention_math import reference_attention
 from pallas_hub.verify import interpret
 
 KERNELS = sorted(manifest.load_manifest().kernels)
-
-
-def _attention(q, k, v, scale, lengths=None):
-    """Plain f32 GQA attention, causal bottom-right; ``lengths``: keys past them are padding."""
-    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    rep = q.shape[1] // k.shape[1]
-    k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
-    s = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision="highest") * scale
-    qi = jnp.arange(q.shape[2])[:, None] + (k.shape[2] - q.shape[2])
-    ki = jnp.arange(k.shape[2])[None, :]
-    mask = (ki <= qi)[None, None]
-    if lengths is not None:
-        mask = mask & (ki[None, None] < lengths[:, None, None, None])
-    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(jnp.where(mask, s, -jnp.inf), axis=-1), v, precision="highest")
 
 
 def _family_case(family):
@@ -41,14 +28,14 @@ def _family_case(family):
         return (lhs, rhs, jnp.asarray(sizes)), {}, ref
     if family == "prefill":
         q, k, v = (jnp.asarray(rng.standard_normal((1, h, 200, 128)), jnp.float32) for h in (4, 1, 1))
-        return (q, k, v), {"scale": 128 ** -0.5}, _attention(q, k, v, 128 ** -0.5)
+        return (q, k, v), {"scale": 128 ** -0.5}, reference_attention(q, k, v, scale=128 ** -0.5)
     assert family == "decode"
     lengths = np.array([37, 130, 16], np.int32)
     table = rng.permutation(27).astype(np.int32).reshape(3, 9)
     q = jnp.asarray(rng.standard_normal((3, 4, 128)), jnp.float32)
     kp, vp = (jnp.asarray(rng.standard_normal((1, 27, 16, 128)), jnp.float32) for _ in range(2))
     dense = lambda p: jnp.moveaxis(p[:, jnp.asarray(table)].reshape(1, 3, -1, 128), 0, 1)  # noqa: E731
-    ref = _attention(q[:, :, None], dense(kp), dense(vp), 128 ** -0.5, jnp.asarray(lengths))[:, :, 0]
+    ref = reference_attention(q[:, :, None], dense(kp), dense(vp), scale=128 ** -0.5, kv_lens=lengths)[:, :, 0]
     return (q, kp, vp, jnp.asarray(lengths), jnp.asarray(table)), {"scale": 128 ** -0.5}, ref
 
 

@@ -129,7 +129,7 @@ def cmd_fetch(args) -> int:
 
 def cmd_list(args) -> int:
     from .hub.build import variant_files
-    from .hub.fetch import HubUnreachable, VersionNotFound
+    from .hub.fetch import HubError, HubUnreachable, VersionNotFound
     from .hub.publish import LocalHub
 
     local = LocalHub(args.local_hub)
@@ -156,6 +156,9 @@ def cmd_list(args) -> int:
             except HubUnreachable as e:  # said once, not once per kernel
                 print(f"{'':18} {remote}: unreachable; the Hub's versions are not listed. {e}")
                 remote = None
+                continue
+            except HubError as e:  # this repository only (a refused token, ...)
+                print(f"{'':18} {remote}: {e}")
                 continue
             print(f"{'':18} {remote}: " + (", ".join(f"v{v} {c[:12]}" for v, c in sorted(versions.items())) or "none"))
     others = [r for r in local.repos() if r not in {s.repo_id for s in manifest.kernels.values()}]

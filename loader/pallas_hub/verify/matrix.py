@@ -102,15 +102,18 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 60}:{seconds % 60:02d}"
 
 
-def run(kernel: str, configs: list[Config], chips: tuple[str, ...] | None = None, progress=print) -> list[Row]:
-    """Compile ``configs`` of one kernel in this process (no timeout); one row per configuration x chip."""
-    items = _items(kernel, configs, chips)
+def _run_items(items: list[tuple[str, Config, str]], progress) -> list[Row]:
     counter = _Progress(len(items), progress)
     rows = []
-    for name, config, chip in items:
-        rows.append(Row(name, config, _compile(config, chip)))
+    for kernel, config, chip in items:
+        rows.append(Row(kernel, config, _compile(config, chip)))
         counter.row(rows[-1])
     return rows
+
+
+def run(kernel: str, configs: list[Config], chips: tuple[str, ...] | None = None, progress=print) -> list[Row]:
+    """Compile ``configs`` of one kernel in this process (no timeout); one row per configuration x chip."""
+    return _run_items(_items(kernel, configs, chips), progress)
 
 
 def _plan(specs: list[mf.KernelSpec], chips, build_root: Path, progress) -> list[tuple[str, Config, str]]:
@@ -138,13 +141,7 @@ def check(specs: list[mf.KernelSpec], chips: tuple[str, ...] | None = None, prog
     """
     if timeout is None:
         with tempfile.TemporaryDirectory(prefix="pallas-hub-check-") as tmp:
-            items = _plan(specs, chips, Path(tmp), progress)
-            counter = _Progress(len(items), progress)
-            rows = []
-            for kernel, config, chip in items:
-                rows.append(Row(kernel, config, _compile(config, chip)))
-                counter.row(rows[-1])
-            return rows
+            return _run_items(_plan(specs, chips, Path(tmp), progress), progress)
     return _check_in_worker(specs, chips, progress, timeout)
 
 
