@@ -171,3 +171,12 @@ def test_check_shows_progress_stops_a_stalled_configuration_and_keeps_libtpu_qui
     assert "1 not as declared" in done.stdout
     for noise in ("E0000", "INVALID_ARGUMENT", "could not determine TPU", "InitGoogle"):
         assert noise not in done.stderr + done.stdout, done.stderr
+
+
+def test_check_names_a_compile_matrix_that_does_not_import(tmp_path, capsys):
+    kernel = tmp_path / "scale_add"
+    shutil.copytree(manifest.ROOT / "tests" / "fixtures" / "scale_add", kernel)
+    (kernel / "compile_matrix.py").write_text("import jax\n\nraise ImportError('broken on purpose')\n")
+    assert cli.main(["check", "--path", str(kernel)]) == 2
+    assert capsys.readouterr().err.strip() == (f"pallas-hub: the kernels could not be built and imported for the compile "
+                                               f"matrix: {kernel / 'compile_matrix.py'}:3: ImportError: broken on purpose")

@@ -7,6 +7,8 @@
 * ``fetch``: trust list, version pin, digest check, lock files, import through ``kernels.get_kernel``.
 * ``register``: what a kernel's ``REGISTRATIONS`` declare, into transformers' registries (undoable).
 * ``session``: ``pallas_hub.load``, fetch and register in one call.
+* ``declarations``: what a kernel folder declares for check, bench and demo; ``scaffold`` (with
+  ``templates/``): ``pallas-hub new``, a new kernel folder with all of it.
 """
 
 from .fetch import Hub, HubError

@@ -38,7 +38,8 @@ def load(repos: list[str] | dict[str, int] | None = None, *, trust: list[str] | 
     """Fetch kernels (verified, through ``kernels.get_kernel``) and register what each declares.
 
     ``repos``: ``{"org/name": version}``, or a list of repo ids with ``version`` (or a ``lock`` file)
-    for all; ``None`` means every kernel of this repository's manifest at its build.toml version.
+    for all; ``None`` means every kernel of the hub manifest found from the current folder upward, at its
+    build.toml version.
     ``trust``: the explicit allow-list of repo ids (nothing is trusted by default).
     ``source``: ``LocalHub(...)`` (default: the local hub) or ``Hub(endpoint=..., cache_dir=...)``.
     ``lock``: a lock file whose commits and digests are enforced; ``write_lock_to``: record what was loaded

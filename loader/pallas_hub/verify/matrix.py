@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -160,8 +161,9 @@ def _check_in_worker(specs, chips, progress, timeout: float) -> list[Row]:
                 try:
                     message = worker.read(None if plan is None else timeout)
                 except _WorkerDied as e:
-                    if plan is None:
-                        raise RuntimeError(f"the compile worker could not build and import the kernels: {e}") from None
+                    if plan is None:  # a kernel's sources or its compile_matrix.py fail: say which, in one message
+                        raise mf.ManifestError(f"the kernels could not be built and imported for the compile matrix "
+                                               f"({e})") from None
                     message, error = None, f"the compiler process died: {e}"
                 else:
                     error = f"timed out: still compiling after {timeout:g}s (stopped)"
@@ -171,6 +173,9 @@ def _check_in_worker(specs, chips, progress, timeout: float) -> list[Row]:
                     rows.append(Row(item["kernel"], _config(item), result))
                     counter.row(rows[-1])
                     break  # a new worker takes the rest
+                if "error" in message:
+                    raise mf.ManifestError(f"the kernels could not be built and imported for the compile matrix: "
+                                           f"{message['error']}")
                 if "plan" in message:
                     if plan is None:
                         plan = message["plan"]
@@ -244,7 +249,13 @@ def _worker_main() -> None:
     specs = [mf.load_kernel(Path(path), key, source) for path, key, source in request["kernels"]]
     notes: list[str] = []
     with tempfile.TemporaryDirectory(prefix="pallas-hub-check-") as tmp:
-        items = _plan(specs, tuple(request["chips"]), Path(tmp), notes.append)
+        try:
+            items = _plan(specs, tuple(request["chips"]), Path(tmp), notes.append)
+        except Exception as e:  # a kernel's sources or compile_matrix.py: where, and what
+            frame = traceback.extract_tb(e.__traceback__)[-1]
+            out.write(json.dumps({"error": f"{frame.filename}:{frame.lineno}: {type(e).__name__}: {e}"}) + "\n")
+            out.flush()
+            return
         plan = [{"kernel": k, "name": c.name, "chip": chip, "fails_with": c.fails_with} for k, c, chip in items]
         out.write(json.dumps({"plan": plan, "notes": notes}) + "\n")
         out.flush()
