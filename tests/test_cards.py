@@ -107,4 +107,6 @@ def test_every_command_of_a_card_works_against_the_published_repo(published, tmp
 @pytest.mark.slow
 def test_every_card_with_its_kernels_benchmark_command(published, tmp_path):
     spec, fake = published
+    if spec.key == "softplus":
+        pytest.skip("the default run does this one")
     _run_card(spec, fake, tmp_path, benchmark=True)
