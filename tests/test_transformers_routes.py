@@ -132,6 +132,12 @@ def test_with_kernels_0_17_the_layer_route_works_through_kernels_own_api(hub):
     from pallas_hub.hub.fetch import _hub_settings
 
     assert not tu.is_kernels_available()  # what closes transformers' own routes here
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    small = Qwen3Config(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, head_dim=64)
+    with pytest.raises(ImportError, match=r"`kernels` is either not installed or uses an incompatible version"):
+        Qwen3ForCausalLM._from_config(small, attn_implementation=FLASH)
     assert getattr(GptOssMLP, "kernel_layer_name", None) is None
     cfg = GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=64, num_local_experts=4, num_experts_per_tok=2,
