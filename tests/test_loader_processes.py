@@ -90,7 +90,7 @@ def test_a_fetch_killed_at_any_point_is_repaired_by_the_next_fetch(remote, tmp_p
     elif point == "in the middle of a file":
         remote.half.add("/_bridge.py")  # every copy of it: half the bytes, then nothing
     elif point == "between the two variants":
-        remote.hold.add(resolve + "build/torch-universal/")  # torch-tpu completes, torch-universal never starts
+        remote.hold.add(resolve + "build/torch-cpu/")  # torch-tpu completes, torch-cpu never starts
     else:
         extra["PAUSE_IN_IMPORT"] = str(marker)
     child = subprocess.Popen([sys.executable, "-c", FETCH, REPO, str(cache)], env=_env(
@@ -107,9 +107,9 @@ def test_a_fetch_killed_at_any_point_is_repaired_by_the_next_fetch(remote, tmp_p
     snapshot = cache / FOLDER / "snapshots" / remote.commit
     if point == "between the two variants":  # the state the issue describes: one variant whole, the other absent
         assert (snapshot / "build" / "torch-tpu" / "metadata.json").is_file()
-        assert not (snapshot / "build" / "torch-universal").exists()
+        assert not (snapshot / "build" / "torch-cpu").exists()
     got = fetch(REPO, 1, trust=[REPO], source=Hub(endpoint=remote.url, cache_dir=cache))
-    assert (got.commit, got.variant, got.module.VERSION_MARK) == (remote.commit, "torch-universal", "remote")
+    assert (got.commit, got.variant, got.module.VERSION_MARK) == (remote.commit, "torch-cpu", "remote")
     assert verify_snapshot(snapshot, "repaired") == got.digest
     assert not list(cache.glob(f"{FOLDER}/blobs/*.incomplete"))
     remote.__exit__()  # and the repaired cache works offline
@@ -171,8 +171,8 @@ def test_a_publish_killed_at_any_point_is_repaired_by_the_next_publish(tmp_path,
     with pytest.raises(VersionNotFound):
         fetch(REPO, 1, trust=[REPO], source=hub)
     if point == "build":  # the second variant is half-written: publishing it as it is is refused
-        assert not (spec.path / "build" / "torch-universal" / "metadata.json").exists()
-        with pytest.raises(VariantError, match="torch-universal has no metadata.json"):
+        assert not (spec.path / "build" / "torch-cpu" / "metadata.json").exists()
+        with pytest.raises(VariantError, match="torch-cpu has no metadata.json"):
             hub.publish(spec, progress=None)
     if point == "snapshot":
         assert list(hub.repo_dir(REPO).glob("snapshots/.staging-*"))
@@ -230,5 +230,5 @@ def test_five_processes_publishing_and_fetching_at_once_never_publish_or_accept_
     main = (hub.repo_dir(REPO) / "refs" / "main").read_text()  # the card
     assert {p.name for p in hub.repo_dir(REPO).glob("snapshots/*")} == {expected, main}  # no other version made
     assert len(seen) >= 10 and all(
-        commit == expected and mark == str(tmp_path) and variants == ["torch-tpu", "torch-universal"]
+        commit == expected and mark == str(tmp_path) and variants == ["torch-cpu", "torch-tpu"]
         for commit, mark, variants in seen), seen
