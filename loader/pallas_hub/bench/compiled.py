@@ -50,13 +50,14 @@ class Job:
     chip: str
     options: tuple = ()  # (name, value) pairs the implementation takes (e.g. a tiling)
     sources: str = ""  # digest of the implementation's code
+    static_profile: bool = False  # also libtpu's static LLO profile (validation compiles only)
 
     @property
     def key(self) -> str:
         import jax
         import jaxlib
 
-        from .problems import rebuild, signature
+        from .problems import signature
 
         try:
             import importlib.metadata as md
@@ -64,13 +65,15 @@ class Job:
             libtpu = md.version("libtpu")
         except Exception:
             libtpu = "?"
-        text = json.dumps([PROFILE_VERSION, self.impl, signature(rebuild(self.problem)), self.chip,
-                           list(self.options), self.sources, jax.__version__, jaxlib.__version__, libtpu], default=str)
+        problem = list(self.problem) if self.impl.startswith("validate:") else signature(_rebuild(self.problem))
+        text = json.dumps([PROFILE_VERSION, self.impl, problem, self.chip, list(self.options), self.sources,
+                           self.static_profile, jax.__version__, jaxlib.__version__, libtpu], default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
     def to_dict(self) -> dict:
         return {"impl": self.impl, "problem": list(self.problem), "chip": self.chip,
-                "options": [list(o) for o in self.options], "sources": self.sources}
+                "options": [list(o) for o in self.options], "sources": self.sources,
+                "static_profile": self.static_profile}
 
 
 # --------------------------------------------------------------------------- the compiled HLO
@@ -159,20 +162,34 @@ def entry_ops(hlo: str) -> list[dict]:
 
 # --------------------------------------------------------------------------- the worker
 
+def _rebuild(recipe):
+    from .problems import rebuild
+
+    return rebuild(recipe)
+
+
 def _compile_one(job: dict, dump: Path) -> dict:
     """In the worker: compile one program and read its LLO dump (``dump`` is where libtpu writes)."""
+    import contextlib
+
     import jax
 
-    from . import runner
+    from . import runner, validate
     from ..verify import tpu_devices
     from ..vendored._chips import chip as get_chip
 
     device = tpu_devices(get_chip(job["chip"]).topology)[0]
-    fn, args, donate = runner.compile_target(job["impl"], job["problem"], job["chip"], dict(job["options"]), device)
-    for f in dump.glob("*"):
-        f.unlink()
+    if job["impl"].startswith("validate:"):
+        fn, args, donate = validate.compile_target(job["problem"], device)
+        context = contextlib.nullcontext()
+    else:
+        fn, args, donate = runner.compile_target(job["impl"], job["problem"], job["chip"], dict(job["options"]), device)
+        context = runner.tracing(job["impl"], job["chip"])
+    for f in dump.rglob("*"):
+        if f.is_file():
+            f.unlink()
     start = time.perf_counter()
-    with runner.tracing(job["impl"], job["chip"]):
+    with context:
         compiled = jax.jit(fn, donate_argnums=donate).trace(*args).lower(lowering_platforms=("tpu",)).compile()
     seconds = time.perf_counter() - start
     ca = compiled.cost_analysis() or {}
@@ -191,7 +208,11 @@ def _compile_one(job: dict, dump: Path) -> dict:
         else:
             n, static = llo.executed_bundles(program)
             op["program"] = {"executed_bundles": n, "static": static}
-    return {"version": PROFILE_VERSION, "job": job, "compile_seconds": seconds,
+    static = {}
+    for path in dump.glob("profile/*.textproto"):
+        for m in re.finditer(r'hlo_op_name: "([^"]+)"\s+estimated_cycles: (\d+)', path.read_text()):
+            static[m.group(1)] = int(m.group(2))
+    return {"version": PROFILE_VERSION, "job": job, "compile_seconds": seconds, "static_cycles": static,
             "cost_analysis": {k: float(v) for k, v in ca.items() if isinstance(v, (int, float))},
             "memory": None if mem is None else {k: int(getattr(mem, k)) for k in
                                                 ("argument_size_in_bytes", "output_size_in_bytes",
@@ -238,16 +259,20 @@ def profiles(jobs: list[Job], *, progress: Callable = print, workers: int = 1, t
         return result
     progress(f"  compiling {len(todo)} programs for TPU ahead of time ({len(jobs) - len(todo)} cached) "
              f"in {workers} worker process(es)")
-    batches = [todo[i::workers] for i in range(workers) if todo[i::workers]]
+    # libtpu reads its flags once per process: validation compiles with the static profile get their own
+    groups = [[t for t in todo if t["job"]["static_profile"] == flag] for flag in (False, True)]
+    batches = [(g[i::workers], bool(g[0]["job"]["static_profile"])) for g in groups if g for i in range(workers)
+               if g[i::workers]]
     procs = []
     tmp = Path(tempfile.mkdtemp(prefix="pallas-hub-llo-"))
     try:
-        for i, batch in enumerate(batches):
+        for i, (batch, static) in enumerate(batches):
             worklist = tmp / f"work{i}.json"
             worklist.write_text(json.dumps(batch))
             dump = tmp / f"dump{i}"
             dump.mkdir()
-            env = dict(os.environ, LIBTPU_INIT_ARGS=llo.flags(str(dump)), JAX_PLATFORMS="cpu",
+            flags = llo.flags(str(dump)) + (f" --xla_jf_dump_static_llo_profile_to={dump}/profile" if static else "")
+            env = dict(os.environ, LIBTPU_INIT_ARGS=flags, JAX_PLATFORMS="cpu",
                        ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_ACCELERATOR_TYPE=os.environ.get("TPU_ACCELERATOR_TYPE", ""))
             procs.append(subprocess.Popen([sys.executable, "-m", "pallas_hub.bench.compiled", str(worklist), str(dump)],
                                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env))
@@ -299,12 +324,10 @@ def _follow(procs, todo, result, progress, timeout):
 
 
 def _name(recipe) -> str:
-    from .problems import rebuild
-
     try:
-        return rebuild(recipe).name
+        return _rebuild(recipe).name
     except Exception:
-        return str(recipe[:1])
+        return " ".join(map(str, recipe))
 
 
 if __name__ == "__main__":

@@ -243,6 +243,12 @@ def _space(aval) -> str:
     return "vmem"  # None / "default" / vmem: pipelined blocks and VMEM scratch
 
 
+def _steering(value) -> bool:
+    """A concrete small integer array: values that may steer a kernel once copied into SMEM."""
+    return (not isinstance(value, jax.ShapeDtypeStruct) and jnp.issubdtype(value.dtype, jnp.integer)
+            and math.prod(value.shape) <= 1 << 20)
+
+
 def _nbytes(shape, dtype) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize
 
@@ -280,6 +286,9 @@ def _call_cost(operands: tuple, params: dict) -> CallCost:
             refs.append(body.tracked_ref(v.aval, jnp.asarray(value)))
         elif _space(v.aval) == "smem":
             refs.append(body.tracked_ref(v.aval, jnp.zeros(v.aval.shape, v.aval.dtype)))
+        elif i < n_idx + n_in and _space(v.aval) == "hbm" and _steering(inputs[i - n_idx]):
+            # a small integer array left in HBM (e.g. a page table): the kernel may DMA it into SMEM
+            refs.append(body.tracked_ref(v.aval, jnp.asarray(inputs[i - n_idx])))
         else:
             refs.append(_Ref(v.aval))
 
@@ -587,22 +596,34 @@ class _Body:
             n = n * jnp.asarray(d, jnp.float32)
         return n
 
-    def _check_dma_target(self, eqn, ins):
-        """A DMA into SMEM the model tracks would change steering values behind its back: refuse."""
+    def _dma_into_smem(self, eqn, ins):
+        """A DMA into SMEM the model tracks: copy the values when the source is tracked too (e.g. a
+        page table row from a concrete HBM input), else refuse (values computed from vector data)."""
         from jax._src.pallas.mosaic import primitives as mp
+        from jax._src.state import discharge as sd
 
-        dst = mp._dma_unflatten(eqn.params["tree"], ins)[1]
-        ref = getattr(dst, "ref", dst)
-        if isinstance(ref, _Ref) and ref.key is not None and ref.key in self.state:
-            raise CostModelError("a DMA writes into SMEM that steers the kernel (values the kernel computes "
-                                 "from vector data): its control flow cannot be followed")
+        src, dst = mp._dma_unflatten(eqn.params["tree"], ins)[:2]
+        dref = getattr(dst, "ref", dst)
+        if not (isinstance(dref, _Ref) and dref.key is not None and dref.key in self.state):
+            return
+        sref = getattr(src, "ref", src)
+        leaves = lambda r: jax.tree_util.tree_flatten(tuple(getattr(r, "transforms", ())))  # noqa: E731
+        (sl, st), (dl, dt) = leaves(src), leaves(dst)
+        if not (isinstance(sref, _Ref) and sref.key is not None and sref.key in self.state
+                and all(self._known(x) for x in sl + dl)):
+            raise CostModelError("a DMA writes into SMEM that steers the kernel from data the model does not "
+                                 "know (values the kernel computes from vector data): its control flow cannot be followed")
+        value = sd._get_discharge(self.state[sref.key], sl, st)
+        x = self.state[dref.key]
+        _, new = sd._swap_discharge(x, jnp.asarray(value, x.dtype), dl, dt)
+        self.state[dref.key] = new.astype(x.dtype)
 
     def eqn(self, eqn, ins):
         name, p = eqn.primitive.name, eqn.params
         if id(eqn) in self.site_index:
             site = self.site_index[id(eqn)]
             if name == "dma_start":
-                self._check_dma_target(eqn, ins)
+                self._dma_into_smem(eqn, ins)
             amount = self._dynamic_bytes(eqn, ins) if self.sites[site].dynamic else 1
             self.counts = self.counts.at[site].add(amount)
             return self._unknown_outs(eqn)

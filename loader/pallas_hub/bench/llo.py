@@ -87,10 +87,13 @@ class Loop:
 
 
 def _trip_count(bundles: list[str], branch: int, target: int, pred: str) -> int | None:
+    """The loop's trip count: N of the exit test ``iv >= N`` (counted loops); None for any other
+    exit condition (a register bound, a while condition such as ``x != 0``)."""
     for k in range(branch, target - 1, -1):
-        m = re.search(rf"%{re.escape(pred)}\s*=\s*scmp\.[a-z]+\.s32[.a-z]*\s+%\w+,\s*(-?\d+|%\w+)", bundles[k])
+        m = re.search(rf"%{re.escape(pred)}\s*=\s*scmp\.([a-z]+)\.s32[.a-z]*\s+%\w+,\s*(-?\d+|%\w+)", bundles[k])
         if m:
-            return int(m.group(1)) if re.fullmatch(r"-?\d+", m.group(1)) else None
+            ok = m.group(1) == "ge" and re.fullmatch(r"\d+", m.group(2)) and int(m.group(2)) > 0
+            return int(m.group(2)) if ok else None
     return None
 
 

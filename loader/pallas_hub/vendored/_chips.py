@@ -17,11 +17,9 @@ against it). ``vmatmul_cycles``: cycles one MXU is busy per vmatmul (16 packed b
 the loaded weights), from libtpu's static LLO profile of compute-bound kernels (v5e 16, v6e 8;
 TPU7x 8 assumed, its profile is unavailable). The clock follows: peak / (MXUs x 2 x 16 x width^2 /
 vmatmul_cycles); for v5e that gives 1.5 GHz, the documented clock; v6e 1.75 GHz and TPU7x 2.2 GHz
-are derived this way (not published). ``dma_latency_s``: the minimum time of a pipeline step that
-waits on a DMA (issue to completion), fitted to libtpu's static profile of small-block matmuls
-(v5e ~550 cycles, v6e ~350; TPU7x: v6e's cycle count, its profile crashes on loops).
-``step_overhead_s``: the per-step cost nothing here can measure (0.35 us, Pallas' documented
-figure); benchmarks report rankings at 0, 0.35 and 0.7 us, and a TPU run calibrates it.
+are derived this way (not published). ``step_overhead_s``: the per-step cost nothing here can
+measure (0.35 us, Pallas' documented figure; libtpu's static model charges about 0.18 us on v6e and
+0.37 us on v5e); benchmarks report rankings at 0, 0.35 and 0.7 us, and a TPU run calibrates it.
 ``topology`` is a libtpu compile-only topology for ``jax.experimental.topologies.get_topology_desc``.
 """
 
@@ -43,7 +41,6 @@ class Chip:
     mxu_count: int  # MXUs per TensorCore
     mxu_dim: int  # MXU width (128 x 128 or 256 x 256)
     vmatmul_cycles: int  # cycles an MXU is busy per vmatmul (16 packed bf16 rows)
-    dma_latency_s: float  # minimum duration of a pipeline step that waits on a DMA
     tensorcores_per_chip: int = 1  # JAX devices per chip
     step_overhead_s: float = 0.35e-6  # per grid step / DMA-loop iteration (not measurable here)
 
@@ -59,12 +56,10 @@ class Chip:
 
 
 CHIPS: dict[str, Chip] = {
-    "v5e": Chip("v5e", "v5e:2x2", 1.97e14, 8.20e11, 128 * MiB, mxu_count=4, mxu_dim=128, vmatmul_cycles=16,
-                dma_latency_s=550 / 1.5e9),
-    "v6e": Chip("v6e", "v6e:2x2", 9.20e14, 1.64e12, 128 * MiB, mxu_count=2, mxu_dim=256, vmatmul_cycles=8,
-                dma_latency_s=350 / 1.75e9),
+    "v5e": Chip("v5e", "v5e:2x2", 1.97e14, 8.20e11, 128 * MiB, mxu_count=4, mxu_dim=128, vmatmul_cycles=16),
+    "v6e": Chip("v6e", "v6e:2x2", 9.20e14, 1.64e12, 128 * MiB, mxu_count=2, mxu_dim=256, vmatmul_cycles=8),
     "tpu7x": Chip("tpu7x", "TPU7x:2x2x1", 2.31e15 / 2, 7.40e12 / 2, 64 * MiB, mxu_count=2, mxu_dim=256,
-                  vmatmul_cycles=8, dma_latency_s=350 / 2.2e9, tensorcores_per_chip=2),
+                  vmatmul_cycles=8, tensorcores_per_chip=2),
 }
 DEFAULT_CHIPS = ("v5e", "v6e", "tpu7x")
 EIGHT_CHIP_TOPOLOGY = "v6e:2x4"  # for sharded (expert-parallel) programs
