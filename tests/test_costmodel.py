@@ -167,6 +167,88 @@ def test_two_calls_are_summed_and_outputs_flow_on():
     assert cost.time("v6e") == pytest.approx(sum(c.time("v6e") for c in cost.calls))
 
 
+def test_step_types_add_up_to_the_totals():
+    """The per-step records (what the v2 model times) sum to the whole-call counts, per loop level."""
+    rows = jnp.array([0, 0, 3, 3, 3, 1, 0, 0], jnp.int32)
+    cost = costmodel.estimate(functools.partial(_gather_rows, skip_from=5), rows, jnp.ones((32, 128), jnp.float32))
+    (call,) = cost.calls
+    assert sum(t.count for t in call.step_types) == 8
+    assert sum(t.count * sum(t.flops) for t in call.step_types) == call.flops
+    inputs = sum(o.bytes for o in call.operands if o.kind == "input")
+    assert sum(t.count * t.read_bytes for t in call.step_types) == inputs
+    assert sum(t.count * t.write_bytes for t in call.step_types) == call.hbm_write_bytes
+    # the dot ran in steps 0-4: step 0 fetched x and w, step 2 a new x block, steps 1, 3, 4 nothing
+    x_block, w_block = 8 * 128 * 4, 128 * 128 * 4
+    assert sorted((t.count, t.read_bytes) for t in call.step_types if sum(t.flops) == 2 * 8 * 128 * 128) == \
+        [(1, x_block), (1, x_block + w_block), (3, 0)]
+    copies = costmodel.estimate(_manual_copies, jnp.array([3], jnp.int32), jnp.ones((128, 128), jnp.float32)).calls[0]
+    (loop,) = copies.loops
+    assert loop.parent is None and loop.static_trips is None and loop.pipeline
+    (step,) = copies.step_types
+    assert step.iterations == (3,) and step.dma_read == (0, 3 * 16 * 128 * 4)  # the copies sit in the loop level
+
+
+def _table_row_copies(lengths, table, pages):
+    """Each step copies its row of a page table from HBM into SMEM, then copies that many pages."""
+
+    def kernel(len_ref, table_hbm, pages_hbm, o_ref, row_smem, buf, sem):
+        s = pl.program_id(0)
+        pltpu.make_async_copy(table_hbm.at[s], row_smem, sem).start()
+        pltpu.make_async_copy(table_hbm.at[s], row_smem, sem).wait()
+
+        def body(j, carry):
+            copy = pltpu.make_async_copy(pages_hbm.at[row_smem[j]], buf, sem)
+            copy.start()
+            copy.wait()
+            return carry + row_smem[j]  # the page ids steer nothing but are read as values
+
+        o_ref[...] = jnp.zeros_like(o_ref)
+        jax.lax.fori_loop(0, len_ref[s], body, 0)
+
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(lengths.shape[0],),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec((8, 128), lambda i, n: (0, 0)),
+            scratch_shapes=[pltpu.SMEM((table.shape[1],), jnp.int32), pltpu.VMEM((8, 128), jnp.float32),
+                            pltpu.SemaphoreType.DMA]),
+        out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32),
+    )(lengths, table, pages)
+
+
+def test_a_dma_into_smem_carries_the_values_of_a_concrete_table():
+    lengths = jnp.array([2, 0, 3], jnp.int32)
+    table = jnp.array([[4, 1, 0], [2, 2, 2], [3, 0, 1]], jnp.int32)
+    pages = jax.ShapeDtypeStruct((5, 8, 128), jnp.float32)
+    (call,) = costmodel.estimate(_table_row_copies, lengths, table, pages).calls
+    row = table.shape[1] * 4
+    assert call.dma_read_bytes == 3 * row + 5 * 8 * 128 * 4  # three table rows, five pages
+    with pytest.raises(costmodel.CostModelError, match="does not know"):  # a table that is only a shape
+        costmodel.estimate(_table_row_copies, lengths, jax.ShapeDtypeStruct(table.shape, table.dtype), pages)
+
+
+def test_copies_through_reshape_and_bitcast_count_their_bytes():
+    def kernel(n_ref, x_hbm, o_ref, buf, sem):
+        view = x_hbm.bitcast(jnp.uint32).reshape(8, 16, 128)  # [16, 16, 128] bf16 -> [8, 16, 128] u32
+        copy = pltpu.make_async_copy(view.at[pl.ds(0, n_ref[0])], buf.at[pl.ds(0, n_ref[0])], sem)
+        copy.start()
+        copy.wait()
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+    def f(n, x):
+        return pl.pallas_call(
+            kernel,
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=1, grid=(1,), in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+                out_specs=pl.BlockSpec((8, 128), lambda i, n: (0, 0)),
+                scratch_shapes=[pltpu.VMEM((8, 16, 128), jnp.uint32), pltpu.SemaphoreType.DMA]),
+            out_shape=jax.ShapeDtypeStruct((8, 128), jnp.float32))(n, x)
+
+    (call,) = costmodel.estimate(f, jnp.array([3], jnp.int32), jax.ShapeDtypeStruct((16, 16, 128), jnp.bfloat16)).calls
+    assert call.dma_read_bytes == 3 * 16 * 128 * 4
+
+
 # --------------------------------------------------------------------------- anchors (kernels we did not write)
 
 def test_megablox_gmm_hand_count():
@@ -350,10 +432,9 @@ def test_our_kernels_match_the_strict_interpreter(key, monkeypatch, tmp_path):
     from pallas_hub.bench import runner as bench
 
     family = bench.OURS[key]
-    (impl,) = [i for i in bench.implementations((family,), kernels_dir=tmp_path, progress=lambda *_: None)
-               if i.kind == "ours"]
+    (impl,) = [i for i in bench.implementations((family,), progress=lambda *_: None) if i.kind == "ours"]
     assert impl.fn is not None, impl.missing
-    problem = next(p for p in bench.problems() if p.family == family)
+    problem = next(p for p in bench.problems(families=(family,)))
     check = problem.check()
     fn, args = impl.call(check.kwargs, "v6e"), impl.args(check.args)
     assert _model_traffic(fn, *args) == InterpreterTraffic(monkeypatch).run(fn, *args)

@@ -72,12 +72,12 @@ def combine(y, order, top_k_weights):
     return (rows * top_k_weights[:, :, None].astype(jnp.float32)).sum(axis=1)
 
 
-def gmm_moe_layer(gmm_gate_up, gmm_down, x, top_k_index, top_k_weights, w_gate_up, w_down):
+def gmm_moe_layer(gmm_gate_up, gmm_down, x, top_k_index, top_k_weights, w_gate_up, w_down, *, mask_rows=False):
     """An experts layer on grouped matmuls ``gmm(lhs[m, k], rhs[g, k, n], sizes) -> [m, n]``.
 
     Weights [E, H, 2I] and [E, I, H] (the layout these kernels take). Rows are padded to a
     multiple of ``GMM_ROW_MULTIPLE`` (their tile_m must divide m); SiLU(gate) * up between the
-    two matmuls is an XLA op."""
+    two matmuls is an XLA op. ``mask_rows``: zero the rows past the groups (tokamax leaves them unset)."""
     order, src, sizes = route(top_k_index, w_gate_up.shape[0])
     xs = x[src]
     m = xs.shape[0]
@@ -85,7 +85,8 @@ def gmm_moe_layer(gmm_gate_up, gmm_down, x, top_k_index, top_k_weights, w_gate_u
     gate, up = jnp.split(gmm_gate_up(xs, w_gate_up, sizes), 2, axis=1)
     inter = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(x.dtype)
     y = gmm_down(inter, w_down, sizes)[:m]
-    y = jnp.where((jnp.arange(m) < sizes.sum())[:, None], y, 0)  # tokamax leaves rows past the groups unset
+    if mask_rows:
+        y = jnp.where((jnp.arange(m) < sizes.sum())[:, None], y, 0)
     return combine(y, order, top_k_weights).astype(x.dtype)
 
 

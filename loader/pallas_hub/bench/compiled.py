@@ -5,11 +5,12 @@ them) is compiled by XLA:TPU + Mosaic for the chip's compile-only topology, in a
 started with libtpu's LLO dump flags (``llo.flags``: libtpu reads them once, when it loads). The
 worker keeps, per program, a profile (JSON):
 
-* ``ops``: the top-level ops of the compiled program (``compiled.as_text()``'s ENTRY computation):
-  each runs as its own program piece on the TensorCore, reading its operands from HBM and writing
-  its result there. Per op: its HBM bytes (``hbm_bytes``; in-place updates count the update,
-  gathers what they gather), whether it is a Pallas kernel (``tpu_custom_call``) or offloaded to
-  the SparseCores, and its schedule from the LLO dump (``llo.analyse``: kernels keep their loop
+* ``hlo``: the compiled program (``compiled.as_text()``, compressed); ``ops(profile)`` reads its
+  top-level ops (the ENTRY computation's): each runs as its own program piece on the TensorCore,
+  reading its operands from HBM and writing its result there. Per op: its HBM bytes (in-place
+  updates count the update, gathers what they gather), whether it is a Pallas kernel
+  (``tpu_custom_call``) or offloaded to the SparseCores;
+* ``programs``: per op, its schedule from the LLO dump (``llo.analyse``: kernels keep their loop
   tree, other ops the bundles one run issues);
 * ``memory``: XLA's memory analysis (the temporaries the program keeps in HBM), ``cost_analysis``.
 
@@ -20,6 +21,7 @@ shapes, the chip, jax/libtpu versions), so a re-run compiles only what changed.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import hashlib
 import json
@@ -31,12 +33,13 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Callable
 
 from . import llo
 
-PROFILE_VERSION = 1  # bump when what a profile holds changes: old cache entries are then ignored
+PROFILE_VERSION = 2  # bump when what a profile holds changes: old cache entries are then ignored
 
 
 def cache_dir() -> Path:
@@ -66,7 +69,8 @@ class Job:
         except Exception:
             libtpu = "?"
         problem = list(self.problem) if self.impl.startswith("validate:") else signature(_rebuild(self.problem))
-        text = json.dumps([PROFILE_VERSION, self.impl, problem, self.chip, list(self.options), self.sources,
+        reader = hashlib.sha256(Path(llo.__file__).read_bytes()).hexdigest()  # how schedules are read
+        text = json.dumps([PROFILE_VERSION, reader, self.impl, problem, self.chip, list(self.options), self.sources,
                            self.static_profile, jax.__version__, jaxlib.__version__, libtpu], default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:24]
 
@@ -95,6 +99,35 @@ def _bytes(type_text: str) -> int:
             continue
         total += int(math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dt])
     return total
+
+
+def _tuple_elements(type_text: str) -> list[str]:
+    """The top-level elements of a tuple type ``(a, (b, c), d)``; [type_text] if not a tuple."""
+    t = type_text.strip()
+    if not t.startswith("("):
+        return [t]
+    out, depth, start = [], 0, 1
+    for i, ch in enumerate(t):
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+        elif ch == "," and depth == 1:
+            out.append(t[start:i])
+            start = i + 1
+    out.append(t[start:-1])
+    return out
+
+
+def _output_type(opcode: str, type_text: str) -> str:
+    """The buffer an op writes: an async start's tuple also holds its operands (copy-start: (dst, src,
+    context); call-start: ((operands), result, ...)), which are not written."""
+    if opcode == "copy-start":
+        return _tuple_elements(type_text)[0]
+    if opcode.endswith("-start"):
+        parts = _tuple_elements(type_text)
+        return parts[1] if len(parts) > 1 else parts[0]
+    return type_text
 
 
 def _instructions(hlo: str):
@@ -143,7 +176,7 @@ def entry_ops(hlo: str) -> list[dict]:
         calls = re.search(r"calls=%?([\w.\-]+)", text)
         target = re.search(r'custom_call_target="([^"]+)"', text)
         root = roots.get(calls.group(1)) if calls and opcode == "fusion" else opcode
-        out = _bytes(type_text)
+        out = _bytes(_output_type(opcode, type_text))
         ins = [_bytes(types.get(o, "")) for o in operands]
         if opcode in _FREE or opcode.endswith("-done"):
             hbm = 0  # an async pair's bytes are counted at its start
@@ -195,19 +228,17 @@ def _compile_one(job: dict, dump: Path) -> dict:
     ca = compiled.cost_analysis() or {}
     ca = ca[0] if isinstance(ca, list) else ca
     mem = compiled.memory_analysis()
-    ops = [op for op in entry_ops(compiled.as_text()) if not op["free"]]
-    files = llo.op_files(str(dump))
-    for op in ops:
-        path = files.get(op["name"])
+    hlo = compiled.as_text()
+    programs = {}
+    for op in entry_ops(hlo):
+        path = llo.op_files(str(dump)).get(op["name"]) if not op["free"] else None
         if path is None:
-            op["program"] = None
             continue
         program = llo.analyse(llo.read_bundles(path))
-        if op["kernel"]:
-            op["program"] = program
-        else:
+        if not op["kernel"]:  # other ops: the bundles one run issues is all the model reads
             n, static = llo.executed_bundles(program)
-            op["program"] = {"executed_bundles": n, "static": static}
+            program = {"executed_bundles": n, "static": static}
+        programs[op["name"]] = program
     static = {}
     for path in dump.glob("profile/*.textproto"):
         for m in re.finditer(r'hlo_op_name: "([^"]+)"\s+estimated_cycles: (\d+)', path.read_text()):
@@ -217,7 +248,16 @@ def _compile_one(job: dict, dump: Path) -> dict:
             "memory": None if mem is None else {k: int(getattr(mem, k)) for k in
                                                 ("argument_size_in_bytes", "output_size_in_bytes",
                                                  "temp_size_in_bytes", "alias_size_in_bytes")},
-            "ops": ops}
+            "hlo": base64.b64encode(zlib.compress(hlo.encode(), 6)).decode(), "programs": programs}
+
+
+def ops(profile: dict) -> list[dict]:
+    """The profile's top-level ops (``entry_ops`` of its compiled HLO) with their schedules (``program``)."""
+    hlo = zlib.decompress(base64.b64decode(profile["hlo"])).decode()
+    out = [op for op in entry_ops(hlo) if not op["free"]]
+    for op in out:
+        op["program"] = profile["programs"].get(op["name"])
+    return out
 
 
 def _worker(worklist: str, dump: str) -> None:

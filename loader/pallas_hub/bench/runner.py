@@ -46,8 +46,8 @@ import numpy as np  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 FAMILIES = ("moe", "prefill", "decode")
 OURS = {"ragged_dot": "moe", "flash_attention": "prefill", "paged_attention": "decode"}
-BENCH_FILES = ("anchors.py", "compiled.py", "costmodel.py", "llo.py", "problems.py", "runner.py", "stepmodel.py",
-               "vllm_tpu.py")
+BENCH_FILES = ("anchors.py", "compiled.py", "costmodel.py", "llo.py", "problems.py", "report.py", "runner.py",
+               "stepmodel.py", "validate.py", "vllm_tpu.py")
 
 
 # --------------------------------------------------------------------------- implementations
@@ -154,10 +154,11 @@ def _ours_decode(module):
 _OURS_ADAPTERS = {"ragged_dot": _ours_moe, "flash_attention": _ours_prefill, "paged_attention": _ours_decode}
 
 
-def _moe_anchor(grouped_matmul_of):
+def _moe_anchor(grouped_matmul_of, mask_rows=False):
     """An experts layer on a grouped matmul whose tiling is an option (None: its own choice)."""
     def fn(x, ids, w, gate_up, down, *, chip, top_k, tiling=(None, None)):
-        return anchors.gmm_moe_layer(grouped_matmul_of(tiling[0]), grouped_matmul_of(tiling[1]), x, ids, w, gate_up, down)
+        return anchors.gmm_moe_layer(grouped_matmul_of(tiling[0]), grouped_matmul_of(tiling[1]), x, ids, w, gate_up,
+                                     down, mask_rows=mask_rows)
 
     return fn
 
@@ -245,10 +246,10 @@ def anchor_impls(families) -> list[Impl]:
                  note="default tiling (128, 128, 128)"),
             Impl("jax megablox gmm (best tiling)", "anchor", "moe", _moe_anchor(mb), prepare=_moe_gmm_layout,
                  search=search_tiling(mb)),
-            Impl("tokamax ragged_dot", "anchor", "moe", _moe_anchor(tk), prepare=_moe_gmm_layout, per_chip=False,
-                 note="its own config (tuned table, else heuristic)"),
-            Impl("tokamax ragged_dot (best tiling)", "anchor", "moe", _moe_anchor(tk), prepare=_moe_gmm_layout,
-                 search=search_tiling(tk)),
+            Impl("tokamax ragged_dot", "anchor", "moe", _moe_anchor(tk, mask_rows=True), prepare=_moe_gmm_layout,
+                 per_chip=False, note="its own config (tuned table, else heuristic)"),
+            Impl("tokamax ragged_dot (best tiling)", "anchor", "moe", _moe_anchor(tk, mask_rows=True),
+                 prepare=_moe_gmm_layout, search=search_tiling(tk)),
             Impl("vLLM TPU megablox gmm (tuned)", "anchor", "moe", _moe_anchor(lambda t: anchors.vllm_gmm()),
                  prepare=_moe_gmm_layout, context=vllm_tpu.chip, note="tpu-inference's tuned block sizes"),
             Impl("vLLM TPU fused_moe v1", "anchor", "moe", _fused_moe_fn, prepare=_moe_fused_layout,
@@ -441,6 +442,7 @@ def assemble(problem: Problem, chip: str, cost, profile: dict | None) -> dict:
         res.update(status="error", error=(profile or {}).get("error", "not compiled"))
         res["calls"] = [_call_summary(call, None, chip) for call in cost.calls]
         return res
+    profile = dict(profile, ops=compiled.ops(profile))
     pairs = stepmodel.match_calls(list(cost.calls), profile)
     times, calls = [], []
     for call, op in pairs:
@@ -471,10 +473,18 @@ def assemble(problem: Problem, chip: str, cost, profile: dict | None) -> dict:
 
 # --------------------------------------------------------------------------- the run
 
-def inputs_digest(impls: list[Impl]) -> dict:
-    """What the published figures depend on: our kernels' sources, the anchors, the model, the chips."""
+def inputs_digest(paths=()) -> dict:
+    """What the published figures depend on: our kernels' sources (the manifest's, or ``paths``), the
+    anchors, the cost model and the chip table, and the versions of the compiler and libraries."""
     from importlib import metadata
 
+    from ..hub import manifest as mf
+    from ..hub.build import package_files, source_digest
+
+    specs = dict(mf.load_manifest().kernels)
+    for path in paths:
+        spec = mf.load_kernel(Path(path))
+        specs[spec.key] = spec
     h = hashlib.sha256()
     for f in BENCH_FILES:
         h.update((Path(__file__).parent / f).read_bytes())
@@ -486,8 +496,9 @@ def inputs_digest(impls: list[Impl]) -> dict:
         except metadata.PackageNotFoundError:
             versions[name] = None
     return {"cost_model": h.hexdigest()[:16], "versions": versions,
-            "kernels": {i.name: i.digest[:16] for i in impls if i.kind == "ours" and i.digest},
-            "anchors": next((i.digest[:16] for i in impls if i.kind == "anchor"), "")}
+            "kernels": {f"ours: {k}": source_digest(spec, package_files(spec))[:16]
+                        for k, spec in sorted(specs.items()) if k in OURS},
+            "anchors": _anchor_digest()[:16]}
 
 
 def run(families=FAMILIES, *, out_dir: Path = RESULTS, bridge: bool = True, xla: bool = True,
@@ -533,7 +544,7 @@ def run(families=FAMILIES, *, out_dir: Path = RESULTS, bridge: bool = True, xla:
                     cost_cache[key] = _counts(impl, p, c, options)
                 per_chip[c] = {"options": options, "cost": cost_cache[key]}
                 plan.append((row, c, compiled.Job(impl.name, p.recipe, c, tuple(sorted(options.items())),
-                                                  impl.digest + _code_digest())))
+                                                  impl.digest)))
             except Exception as e:
                 per_chip[c] = {"error": verify.first_line(e)}
         row["check"] = _check(impl, p, checks)
@@ -572,7 +583,7 @@ def run(families=FAMILIES, *, out_dir: Path = RESULTS, bridge: bool = True, xla:
         progress(_progress_line(row))
 
     result = {"generated_by": "pallas-hub bench", "chips": list(chips), "families": list(families),
-              "overheads_us": [o * 1e6 for o in stepmodel.OVERHEADS], "inputs": inputs_digest(impls),
+              "overheads_us": [o * 1e6 for o in stepmodel.OVERHEADS], "inputs": inputs_digest(paths),
               "chip_figures": {c: _chip_dict(c) for c in chips},
               "models": [dataclasses.asdict(m) for m in MODELS if m.name in {p.model for p in probs}],
               "rows": rows, "note": "times are TPU cost-model outputs, not measurements"}
@@ -594,13 +605,6 @@ def run(families=FAMILIES, *, out_dir: Path = RESULTS, bridge: bool = True, xla:
     result["seconds"] = time.perf_counter() - t0
     write(result, out_dir, publish=publish)
     return result
-
-
-def _code_digest() -> str:
-    h = hashlib.sha256()
-    for f in ("llo.py", "compiled.py"):
-        h.update((Path(__file__).parent / f).read_bytes())
-    return h.hexdigest()[:12]
 
 
 def _chip_dict(c: str) -> dict:

@@ -230,6 +230,7 @@ class CallTime:
     flops: int
 
     def seconds(self, overhead: float) -> float:
+        """The code outside the grid loop, one overhead for the call's launch (as every XLA op pays), the steps."""
         return self.prologue_s + overhead + sum(s.count * s.seconds(overhead) for s in self.steps)
 
     def grid_steps(self) -> int:

@@ -103,7 +103,7 @@ def calibrate(model_rows: list[dict], measured: list[dict], chip: str) -> dict:
     xs, ys, keys = [], [], []
     for m in measured:
         row, v = _modelled(model_rows, m.get("problem"), m.get("impl"), chip)
-        if v is None or "median_s" not in m:
+        if v is None or "median_s" not in m or "calls" not in v:
             continue
         steps = sum(k["grid_steps"] for k in v["calls"]) + v["glue"]["ops"]
         loops = sum(k.get("loop_steps", 0) for k in v["calls"])

@@ -81,7 +81,7 @@ def xla_matmuls(shapes=SHAPES, chips=("v5e", "v6e", "tpu7x"), block=BLOCK, progr
                 row["error"] = prof.get("error", "not compiled")
                 rows.append(row)
                 continue
-            (call, op), = stepmodel.match_calls(list(cost.calls), prof)
+            (call, op), = stepmodel.match_calls(list(cost.calls), dict(prof, ops=compiled.ops(prof)))
             ct = stepmodel.call_time(call, op["program"], c)
             for o in stepmodel.OVERHEADS:
                 row[f"v2_s_{o * 1e6:g}us"] = ct.seconds(o)
