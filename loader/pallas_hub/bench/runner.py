@@ -46,7 +46,7 @@ import numpy as np  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 FAMILIES = ("moe", "prefill", "decode")
 OURS = {"ragged_dot": "moe", "flash_attention": "prefill", "paged_attention": "decode"}
-BENCH_FILES = ("anchors.py", "compiled.py", "costmodel.py", "llo.py", "problems.py", "report.py", "runner.py",
+BENCH_FILES = ("anchors.py", "compiled.py", "costmodel.py", "llo.py", "problems.py", "runner.py",
                "stepmodel.py", "validate.py", "vllm_tpu.py")
 
 
