@@ -1,5 +1,6 @@
 # Two commands do all set-up (README): `make demo` runs the main job, `make test` the tests.
-# Each creates or reuses .venv; the install re-runs only when requirements.lock or pyproject.toml change.
+# Each creates or reuses .venv; the install re-runs only when requirements.lock, requirements-nodeps.txt
+# or pyproject.toml change.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -11,9 +12,10 @@ PYTEST_ARGS ?=
 
 .PHONY: demo test test-slow check bench clean-venv
 
-$(STAMP): requirements.lock pyproject.toml
+$(STAMP): requirements.lock requirements-nodeps.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --disable-pip-version-check -q -r requirements.lock
+	$(BIN)/pip install --disable-pip-version-check -q --no-deps -r requirements-nodeps.txt
 	$(BIN)/pip install --disable-pip-version-check -q --no-deps --no-build-isolation -e .
 	touch $@
 

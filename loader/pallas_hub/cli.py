@@ -179,8 +179,10 @@ def cmd_demo(args) -> int:
 def cmd_bench(args) -> int:
     from .bench import runner
 
-    families = tuple(args.families.split(",")) if args.families else ("moe", "prefill", "decode")
-    result = runner.run(families, bridge=not args.no_bridge, xla=not args.no_xla, paths=args.path or ())
+    families = tuple(args.families.split(",")) if args.families else runner.FAMILIES
+    chips = tuple(args.chips.split(",")) if args.chips else runner.DEFAULT_CHIPS
+    result = runner.run(families, bridge=not args.no_bridge, xla=not args.no_xla, paths=args.path or (), chips=chips,
+                        workers=args.workers)
     return 0 if all(r.get("check", {}).get("ok", True) for r in result["rows"] if r["status"] == "ok") else 1
 
 
@@ -243,8 +245,11 @@ def main(argv: list[str] | None = None) -> int:
     p = command("list", help="the manifest's kernels: built, published (local hub; --hub for the Hub), versions")
     hub_args(p, "also list the versions on the Hugging Face Hub")
     p.set_defaults(fn=cmd_list)
-    p = command("bench", help="ours beside the anchors on real model shapes (TPU cost model), checks, bridge overhead")
+    p = command("bench", help="ours against the anchors as whole layers on real model shapes (TPU cost model), "
+                "checks, bridge overhead; a subset run writes benchmarks/results/partial/ only")
     p.add_argument("--families", help="comma-separated subset of moe,prefill,decode")
+    p.add_argument("--chips", help="comma-separated subset of v5e,v6e,tpu7x")
+    p.add_argument("--workers", type=int, default=1, help="compile worker processes (default 1)")
     p.add_argument("--no-bridge", action="store_true", help="skip the bridge overhead measurement")
     p.add_argument("--no-xla", action="store_true", help="skip the XLA:TPU matmul comparison")
     p.add_argument("--path", action="append", help="one of our kernel folders to bench instead of the manifest's (repeatable)")

@@ -2,7 +2,7 @@
 (32 q / 4 kv heads, head_dim 128), verified against torch's SDPA.
 
 On a CPU host the kernel runs in Pallas interpret mode, so the timings say nothing about a TPU
-(modelled TPU costs: costmodel_flash_attention.py). `kernels benchmark` does not synchronise TPU
+(modelled TPU costs: RESULTS.md beside this file, from `pallas-hub bench`). `kernels benchmark` does not synchronise TPU
 devices, so every benchmark_ method ends with the vendored bridge's synchronize.
 Shapes are kept modest so that the CPU interpreter finishes.
 """

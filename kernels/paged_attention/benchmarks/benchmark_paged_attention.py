@@ -3,7 +3,7 @@
 torch SDPA on the gathered pages.
 
 On a CPU host the kernel runs in Pallas interpret mode, so these timings say nothing about a TPU
-(modelled TPU costs: costmodel_table.py). `kernels benchmark` does not synchronise TPU devices; on
+(modelled TPU costs: RESULTS.md beside this file, from `pallas-hub bench`). `kernels benchmark` does not synchronise TPU devices; on
 TorchTPU, time with the device synchronised. Shapes are modest so that the CPU interpreter finishes.
 """
 

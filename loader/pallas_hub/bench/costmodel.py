@@ -60,6 +60,31 @@ class OperandTraffic:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoopInfo:
+    """A loop (scan / while) of a kernel body, in program order; ``parent`` indexes its enclosing loop."""
+    parent: int | None  # None: directly in the grid step
+    static_trips: int | None  # a scan's length; None for a while loop
+    pipeline: bool  # starts DMAs and holds no such loop: each iteration is a DMA-loop step
+
+
+@dataclasses.dataclass(frozen=True)
+class StepType:
+    """Grid steps that move and compute exactly the same: ``count`` of them.
+
+    Per level (0: the grid step's own body; i + 1: loop i of ``CallCost.loops``): the MXU flops
+    executed and the bytes the kernel's own DMAs read and write there; ``iterations[i]``: how often
+    loop i ran in the step. ``read_bytes``/``write_bytes``: the pipelined blocks moved for the step.
+    """
+    count: int
+    read_bytes: int
+    write_bytes: int
+    flops: tuple[int, ...]
+    dma_read: tuple[int, ...]
+    dma_write: tuple[int, ...]
+    iterations: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
 class CallCost:
     name: str
     grid: tuple[int, ...]
@@ -70,6 +95,10 @@ class CallCost:
     flops: int
     pipeline_steps: int = 0  # iterations of the kernel's own DMA loops (emit_pipeline, paged attention)
     declared: dict | None = None  # the kernel author's pl.CostEstimate (flops, bytes_accessed), if any
+    loops: tuple[LoopInfo, ...] = ()
+    step_types: tuple[StepType, ...] = ()
+    level_flops: tuple[int, ...] = ()  # per level: flops of all its dots, once each (one iteration, all executed)
+    dynamic_grid: bool = False  # the grid's size is a run-time value (its compiled loop has no static trip count)
 
     @property
     def grid_steps(self) -> int:
@@ -214,6 +243,12 @@ def _space(aval) -> str:
     return "vmem"  # None / "default" / vmem: pipelined blocks and VMEM scratch
 
 
+def _steering(value) -> bool:
+    """A concrete small integer array: values that may steer a kernel once copied into SMEM."""
+    return (not isinstance(value, jax.ShapeDtypeStruct) and jnp.issubdtype(value.dtype, jnp.integer)
+            and math.prod(value.shape) <= 1 << 20)
+
+
 def _nbytes(shape, dtype) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize
 
@@ -251,6 +286,9 @@ def _call_cost(operands: tuple, params: dict) -> CallCost:
             refs.append(body.tracked_ref(v.aval, jnp.asarray(value)))
         elif _space(v.aval) == "smem":
             refs.append(body.tracked_ref(v.aval, jnp.zeros(v.aval.shape, v.aval.dtype)))
+        elif i < n_idx + n_in and _space(v.aval) == "hbm" and _steering(inputs[i - n_idx]):
+            # a small integer array left in HBM (e.g. a page table): the kernel may DMA it into SMEM
+            refs.append(body.tracked_ref(v.aval, jnp.asarray(inputs[i - n_idx])))
         else:
             refs.append(_Ref(v.aval))
 
@@ -271,15 +309,23 @@ def _call_cost(operands: tuple, params: dict) -> CallCost:
         return body.state, (counts, blocks)
 
     _, (counts, blocks) = jax.jit(lambda s: lax.scan(step, s, jnp.arange(n_steps, dtype=jnp.int32)))(init_state)
-    counts = np.rint(np.asarray(counts, dtype=np.float64).sum(axis=0)).astype(np.int64) if body.sites \
-        else np.zeros((0,), np.int64)
+    counts = np.rint(np.asarray(counts, dtype=np.float64)).astype(np.int64) if body.sites \
+        else np.zeros((n_steps, 0), np.int64)  # [step, site]: executions (dynamic copies: bytes)
 
     traffic = []
+    read_at = np.zeros(n_steps, np.int64)  # pipelined block bytes moved for each step
+    write_at = np.zeros(n_steps, np.int64)
     for (k, bm), b in zip(pipelined, blocks):
         b = np.asarray(b)
-        moves = 1 + int(np.any(b[1:] != b[:-1], axis=1).sum()) if n_steps else 0
+        changed = np.concatenate([[True], np.any(b[1:] != b[:-1], axis=1)]) if n_steps else np.zeros(0, bool)
         kind = "output" if k >= n_in else "input"
-        traffic.append(OperandTraffic(str(bm.origin), kind, _nbytes(introspect.block_dims(bm.block_shape), bm.array_aval.dtype), moves))
+        block_bytes = _nbytes(introspect.block_dims(bm.block_shape), bm.array_aval.dtype)
+        traffic.append(OperandTraffic(str(bm.origin), kind, block_bytes, int(changed.sum())))
+        if kind == "input":
+            read_at += block_bytes * changed
+        elif n_steps:  # an output block is written back when the next step moves on, and at the end
+            write_at[1:] += block_bytes * changed[1:]
+            write_at[-1] += block_bytes
     for i, v in enumerate(prefetch):
         traffic.append(OperandTraffic(f"scalar_prefetch[{i}]", "scalar_prefetch", int(v.size * v.dtype.itemsize), 1))
     for k, bm in enumerate(gm.block_mappings):
@@ -287,8 +333,9 @@ def _call_cost(operands: tuple, params: dict) -> CallCost:
             traffic.append(OperandTraffic(str(bm.origin), "smem" if k < n_in else "output",
                                           _nbytes(bm.array_aval.shape, bm.array_aval.dtype), 1))
 
+    totals = counts.sum(axis=0)
     flops = dma_r = dma_w = remote = inner = 0
-    for site, n in zip(body.sites, counts):
+    for site, n in zip(body.sites, totals):
         n = int(n)
         flops += site.flops * n
         dma_r += site.read_bytes * n
@@ -299,7 +346,32 @@ def _call_cost(operands: tuple, params: dict) -> CallCost:
     name = str(getattr(info, "name", info) or "pallas_call")
     ce = params.get("cost_estimate")
     declared = {"flops": int(ce.flops), "bytes_accessed": int(ce.bytes_accessed)} if ce is not None else None
-    return CallCost(name, grid, tuple(traffic), dma_r, dma_w, remote, flops, inner, declared)
+    levels = len(body.loops) + 1
+    level_flops = [0] * levels
+    for site in body.sites:
+        level_flops[site.level] += site.flops
+    return CallCost(name, grid, tuple(traffic), dma_r, dma_w, remote, flops, inner, declared, tuple(body.loops),
+                    _step_types(body, counts, read_at, write_at, levels), tuple(level_flops), n_dyn > 0)
+
+
+def _step_types(body, counts, read_at, write_at, levels) -> tuple[StepType, ...]:
+    """Group the grid steps by what they move and compute (per level) and how often loops ran."""
+    per_level = lambda attr: np.stack(  # noqa: E731  [step, level]
+        [counts @ np.array([getattr(s, attr) if s.level == lv else 0 for s in body.sites], np.int64)
+         for lv in range(levels)], axis=1) if body.sites else np.zeros((len(read_at), levels), np.int64)
+    loop_sites = [body.loop_index_of(i) for i in range(len(body.loops))]
+    iters = counts[:, loop_sites] if loop_sites else np.zeros((len(read_at), 0), np.int64)
+    table = np.concatenate([read_at[:, None], write_at[:, None], per_level("flops"), per_level("read_bytes"),
+                            per_level("write_bytes"), iters], axis=1)
+    if not len(table):
+        return ()
+    rows, n = np.unique(table, axis=0, return_counts=True)
+    out = []
+    for row, c in zip(rows.tolist(), n.tolist()):
+        f, r, w, it = (row[2:2 + levels], row[2 + levels:2 + 2 * levels], row[2 + 2 * levels:2 + 3 * levels],
+                       row[2 + 3 * levels:])
+        out.append(StepType(int(c), int(row[0]), int(row[1]), tuple(f), tuple(r), tuple(w), tuple(it)))
+    return tuple(out)
 
 
 @functools.lru_cache(maxsize=256)
@@ -341,6 +413,8 @@ class _Site:
     remote_bytes: int = 0
     steps: int = 0  # one iteration of a software-pipeline loop (a loop that starts DMAs)
     dynamic: bool = False  # a copy whose size is only known at run time: counts carry its bytes
+    level: int = 0  # 0: the grid step's own body; i + 1: inside loop i (innermost)
+    loop: int | None = None  # this site counts the iterations of loop ``loop``
 
 
 _LOOPS = ("while", "scan")
@@ -411,24 +485,38 @@ class _Body:
         self.sites: list[_Site] = []
         self.site_index: dict[int, int] = {}
         self.loop_index: dict[int, int] = {}
+        self.loops: list[LoopInfo] = []
         self._collect(kernel)
         self.initial_state: dict[int, Any] = {}
         self.state: dict[int, Any] = {}
         self.counts = None
         self.idx: tuple = ()
 
-    def _collect(self, jaxpr):
+    def _collect(self, jaxpr, loop: int | None = None):
+        """Every cost site (dots, DMA starts, loop iterations) with the loop it sits in."""
+        level = 0 if loop is None else loop + 1
         for eqn in jaxpr.eqns:
             site = _site_cost(eqn)
             if site is not None and id(eqn) not in self.site_index:
                 self.site_index[id(eqn)] = len(self.sites)
-                self.sites.append(site)
-            if _is_pipeline_loop(eqn) and id(eqn) not in self.loop_index:
-                self.loop_index[id(eqn)] = len(self.sites)
-                self.sites.append(_Site(steps=1))
+                self.sites.append(dataclasses.replace(site, level=level))
+            inner = loop
+            if eqn.primitive.name in _LOOPS:
+                if id(eqn) not in self.loop_index:
+                    inner = len(self.loops)
+                    self.loops.append(LoopInfo(loop, eqn.params["length"] if eqn.primitive.name == "scan" else None,
+                                               _is_pipeline_loop(eqn)))
+                    self.loop_index[id(eqn)] = len(self.sites)
+                    self.sites.append(_Site(steps=int(self.loops[-1].pipeline), level=level, loop=inner))
+                else:
+                    inner = self.sites[self.loop_index[id(eqn)]].loop
             for value in eqn.params.values():
                 for sub in introspect.sub_jaxprs(value):
-                    self._collect(sub)
+                    self._collect(sub, inner)
+
+    def loop_index_of(self, loop: int) -> int:
+        """The site counting loop ``loop``'s iterations."""
+        return next(i for i, site in enumerate(self.sites) if site.loop == loop)
 
     def tracked_ref(self, aval, value) -> _Ref:
         key = max(self.initial_state, default=-1) + 1
@@ -481,32 +569,61 @@ class _Body:
 
     def _dynamic_bytes(self, eqn, ins):
         """Bytes of a copy whose slice sizes are run-time values (unknown sizes: the whole dim)."""
+        from jax._src import core as jax_core
         from jax._src.indexing import Slice
         from jax._src.pallas.mosaic import primitives as mp
         from jax._src.state.indexing import NDIndexer
 
         src = mp._dma_unflatten(eqn.params["tree"], ins)[0]
         ref = getattr(src, "ref", src)
-        shape = list(ref.aval.shape)
+        shape, dtype = list(ref.aval.shape), ref.aval.dtype
         for t in getattr(src, "transforms", ()):
-            if not isinstance(t, NDIndexer):
+            if isinstance(t, NDIndexer):
+                new = []
+                for idx, dim in zip(t.indices, shape):
+                    if isinstance(idx, Slice):
+                        new.append(idx.size if self._known(idx.size) else dim)
+                    elif np.shape(idx) != ():
+                        new.extend(np.shape(idx))
+                shape = new + shape[len(t.indices):]
+            elif all(isinstance(d, (int, np.integer)) for d in shape) and hasattr(t, "transform_type"):
+                aval = t.transform_type(jax_core.ShapedArray(tuple(int(d) for d in shape), dtype))  # reshape, bitcast
+                shape, dtype = list(aval.shape), aval.dtype
+            else:
                 raise CostModelError(f"a copy with a run-time size through {type(t).__name__} is not modelled")
-            new = []
-            for idx, dim in zip(t.indices, shape):
-                if isinstance(idx, Slice):
-                    new.append(idx.size if self._known(idx.size) else dim)
-                elif np.shape(idx) != ():
-                    new.extend(np.shape(idx))
-            shape = new
-        n = jnp.asarray(np.dtype(ref.aval.dtype).itemsize, jnp.float32)
+        n = jnp.asarray(np.dtype(dtype).itemsize, jnp.float32)
         for d in shape:
             n = n * jnp.asarray(d, jnp.float32)
         return n
+
+    def _dma_into_smem(self, eqn, ins):
+        """A DMA into SMEM the model tracks: copy the values when the source is tracked too (e.g. a
+        page table row from a concrete HBM input), else refuse (values computed from vector data)."""
+        from jax._src.pallas.mosaic import primitives as mp
+        from jax._src.state import discharge as sd
+
+        src, dst = mp._dma_unflatten(eqn.params["tree"], ins)[:2]
+        dref = getattr(dst, "ref", dst)
+        if not (isinstance(dref, _Ref) and dref.key is not None and dref.key in self.state):
+            return
+        sref = getattr(src, "ref", src)
+        leaves = lambda r: jax.tree_util.tree_flatten(tuple(getattr(r, "transforms", ())))  # noqa: E731
+        (sl, st), (dl, dt) = leaves(src), leaves(dst)
+        if not (isinstance(sref, _Ref) and sref.key is not None and sref.key in self.state
+                and all(self._known(x) for x in sl + dl)):
+            raise CostModelError("a DMA writes into SMEM that steers the kernel from data the model does not "
+                                 "know (values the kernel computes from vector data): its control flow cannot be followed")
+        value = sd._get_discharge(self.state[sref.key], sl, st)
+        x = self.state[dref.key]
+        _, new = sd._swap_discharge(x, jnp.asarray(value, x.dtype), dl, dt)
+        self.state[dref.key] = new.astype(x.dtype)
 
     def eqn(self, eqn, ins):
         name, p = eqn.primitive.name, eqn.params
         if id(eqn) in self.site_index:
             site = self.site_index[id(eqn)]
+            if name == "dma_start":
+                self._dma_into_smem(eqn, ins)
             amount = self._dynamic_bytes(eqn, ins) if self.sites[site].dynamic else 1
             self.counts = self.counts.at[site].add(amount)
             return self._unknown_outs(eqn)

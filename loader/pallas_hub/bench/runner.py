@@ -1,32 +1,42 @@
-"""pallas-hub bench: our kernels beside the anchors on real model shapes, by the TPU cost model.
+"""pallas-hub bench: our kernels against the anchors as whole layers on real model shapes (TPU cost model).
 
-One run produces, for every kernel in the manifest and every shape of DESIGN.md "Shapes that
-matter" (Qwen3-30B-A3B, and GPT-OSS-20B on fewer shapes): modelled HBM bytes, MXU flops, steps, time and roofline fraction on
-v5e, v6e and TPU7x (``pallas_hub.bench.costmodel``; a model, never a TPU measurement), the CPU
-interpret-mode correctness of each implementation (at a reduced shape, stated in the row), the
-bridge overhead measured on this machine (``bench.bridge_overhead``) and the cost model's
-comparison with XLA:TPU's own cost analysis on plain matmuls. Results go to
-``benchmarks/results/bench.json``, PNG plots beside it, and the table in ``benchmarks/README.md``.
+For every problem (``bench.problems``) and implementation (ours from the manifest, the anchors of
+``bench.anchors``), on v5e, v6e and TPU7x:
 
-On a TPU host (``timing.tpu_host()``) the same rows are also timed for real (warm-up, median of N,
-device synchronisation), and Qwen3-30B-A3B MoE decode layers are timed against transformers'
-``experts_implementation="grouped_mm"``.
+1. counts: ``costmodel.estimate`` follows the layer's kernels on the problem's real routing,
+   lengths and page tables (per grid step: blocks moved, DMAs, dots executed, loop iterations);
+   anchors with a tiling to choose also get the best tiling this model finds (``search_tiling``);
+2. schedule: the whole layer is compiled ahead of time for the chip (``bench.compiled``, cached):
+   the XLA ops around the kernels with their HBM bytes and the kernels' VLIW schedules;
+3. time: ``bench.stepmodel`` (v2: per step, DMA vs compiled compute, plus the XLA glue), at 0,
+   0.35 and 0.7 us per step; beside it the whole-call model it replaces (v1, kernels only);
+4. numerics: each implementation in CPU interpret mode at a reduced shape against a plain-JAX
+   reference (kernels that cannot run interpreted on this jax: their own reference instead, said so).
+
+Results: ``benchmarks/results/bench.json``; ``bench.report`` renders every published figure from it
+(benchmarks/README.md, kernels/*/benchmarks/RESULTS.md, the generated block of each CARD.md) and
+the plots. A run of a subset of the families writes ``benchmarks/results/partial/`` only.
+On a TPU host (``timing.tpu_host()``) the rows are also timed for real (``tpu_bench``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import hashlib
+import importlib
 import json
 import logging
-import math
+import os
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 from .. import verify  # noqa: F401  (CPU-only JAX set-up before jax loads)
-from . import anchors, costmodel
-from ..vendored._chips import DEFAULT_CHIPS
+from . import anchors, compiled, costmodel, stepmodel
+from .problems import MODELS, Problem, problems, rebuild, signature
+from ..vendored._chips import DEFAULT_CHIPS, chip as get_chip
 from ..hub.manifest import ROOT
 
 import jax  # noqa: E402
@@ -34,187 +44,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-README = ROOT / "benchmarks" / "README.md"
-BF16 = jnp.bfloat16
-
-
-@dataclasses.dataclass(frozen=True)
-class Model:
-    name: str
-    hidden: int
-    experts: int
-    top_k: int
-    moe_intermediate: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
-    short: str = ""
-    moe_tokens: tuple = (1, 8, 64, 256, 2048, 8192)  # decode batches and prefill lengths
-    prefill_tokens: tuple = (2048, 8192)
-    decode_batches: tuple = (1, 8, 64, 256)
-
-
-# transformers' Qwen3MoeConfig for Qwen/Qwen3-30B-A3B (checked against its config.json fields)
-QWEN3_30B_A3B = Model("Qwen3-30B-A3B", hidden=2048, experts=128, top_k=8, moe_intermediate=768,
-                      q_heads=32, kv_heads=4, head_dim=128, short="Qwen3")
-# openai/gpt-oss-20b's config.json (transformers' GptOssConfig defaults are the 120b: 128 experts);
-# fewer shapes, to keep the run short. Gemma 4 26B-A4B is left out: its config is not available here.
-GPT_OSS_20B = Model("GPT-OSS-20B", hidden=2880, experts=32, top_k=4, moe_intermediate=2880,
-                    q_heads=64, kv_heads=8, head_dim=64, short="GPT-OSS",
-                    moe_tokens=(1, 64, 256, 2048), prefill_tokens=(2048,), decode_batches=(1, 64))
-MODELS = (QWEN3_30B_A3B, GPT_OSS_20B)
-DECODE_CONTEXT = (1024, 4096)  # each sequence's context length, uniform in this range (seeded)
-PAGE_SIZE = 16
-
-
-# --------------------------------------------------------------------------- problems
-
-@dataclasses.dataclass
-class Problem:
-    family: str  # "moe" | "prefill" | "decode"
-    model: str
-    name: str
-    params: dict
-    args: tuple  # for the cost model: bulk data abstract, steering values concrete
-    kwargs: dict
-    min_bytes: int
-    min_flops: int
-    check: Callable[[], "Check"]  # a reduced concrete case for the interpret-mode check
-    check_key: tuple
-
-
-@dataclasses.dataclass
-class Check:
-    args: tuple
-    kwargs: dict
-    reference: Any
-    shape: str
-    tol: float  # max |err| / max |reference|
-
-
-def _sds(shape, dtype=BF16):
-    return jax.ShapeDtypeStruct(tuple(shape), dtype)
-
-
-def _route(tokens: int, experts: int, top_k: int, seed: int) -> np.ndarray:
-    """Group sizes of ``tokens`` routed to ``top_k`` distinct uniformly random experts each."""
-    rng = np.random.default_rng(seed)
-    choice = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]
-    return np.bincount(choice.ravel(), minlength=experts).astype(np.int32)
-
-
-def _moe_check(tokens: int) -> Check:
-    g, top_k, k, n = 8, 2, 256, 384
-    sizes = _route(tokens, g, top_k, seed=tokens)
-    rows = tokens * top_k
-    rng = np.random.default_rng(1)
-    lhs = jnp.asarray(rng.standard_normal((rows, k)), BF16)
-    rhs = jnp.asarray(rng.standard_normal((g, k, n)) / math.sqrt(k), BF16)
-    ref = jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32), jnp.asarray(sizes))
-    return Check((lhs, rhs, jnp.asarray(sizes)), {}, ref, f"tokens {tokens} x top-{top_k}, {g} experts, k {k}, n {n}", 2e-2)
-
-
-def moe_problem(m: Model, tokens: int, projection: str) -> Problem:
-    k, n = (m.hidden, 2 * m.moe_intermediate) if projection == "gate_up" else (m.moe_intermediate, m.hidden)
-    sizes = _route(tokens, m.experts, m.top_k, seed=tokens)
-    rows = tokens * m.top_k
-    active = int((sizes > 0).sum())
-    ct = min(tokens, 16)
-    return Problem(
-        "moe", m.name, f"{m.short} {projection} T={tokens}",
-        {"tokens": tokens, "rows": rows, "k": k, "n": n, "experts": m.experts, "active_experts": active},
-        (_sds((rows, k)), _sds((m.experts, k, n)), jnp.asarray(sizes)), {},
-        min_bytes=2 * (rows * k + active * k * n + rows * n), min_flops=2 * rows * k * n,
-        check=functools.partial(_moe_check, ct), check_key=("moe", ct))
-
-
-def _attention_reference(q, k, v, scale, lengths=None):
-    """Plain f32 causal (or, with lengths, decode) GQA attention: [B, Hq, S, D] x [B, Hkv, S, D]."""
-    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    rep = q.shape[1] // k.shape[1]
-    k, v = jnp.repeat(k, rep, axis=1), jnp.repeat(v, rep, axis=1)
-    s = jnp.einsum("bhqd,bhkd->bhqk", q, k, precision="highest") * scale
-    qi = jnp.arange(q.shape[2])[:, None] + (k.shape[2] - q.shape[2])
-    ki = jnp.arange(k.shape[2])[None, :]
-    mask = ki <= qi
-    if lengths is not None:
-        mask = mask & (ki[None, None] < lengths[:, None, None, None])
-    s = jnp.where(mask, s, -jnp.inf)
-    return jnp.einsum("bhqk,bhkd->bhqd", jax.nn.softmax(s, axis=-1), v, precision="highest")
-
-
-def _prefill_check(m: Model) -> Check:
-    s, hq, hkv, d = 256, m.q_heads // m.kv_heads, 1, m.head_dim  # same GQA group as the model
-    rng = np.random.default_rng(2)
-    q, k, v = (jnp.asarray(rng.standard_normal((1, h, s, d)), BF16) for h in (hq, hkv, hkv))
-    scale = 1 / math.sqrt(d)
-    return Check((q, k, v), {"scale": scale}, _attention_reference(q, k, v, scale),
-                 f"1 x {s} tokens, {hq} q / {hkv} kv heads, d {d}", 2e-2)
-
-
-def prefill_problem(m: Model, tokens: int) -> Problem:
-    hq, hkv, d = m.q_heads, m.kv_heads, m.head_dim
-    return Problem(
-        "prefill", m.name, f"{m.short} causal S={tokens}",
-        {"batch": 1, "tokens": tokens, "q_heads": hq, "kv_heads": hkv, "head_dim": d},
-        (_sds((1, hq, tokens, d)), _sds((1, hkv, tokens, d)), _sds((1, hkv, tokens, d))),
-        {"scale": 1 / math.sqrt(d)},
-        min_bytes=2 * (2 * hq + 2 * hkv) * tokens * d, min_flops=4 * hq * d * tokens * (tokens + 1) // 2,
-        check=functools.partial(_prefill_check, m), check_key=("prefill", hq // hkv, d))
-
-
-def _paged_inputs(lengths: np.ndarray, seed: int):
-    """A page table with every sequence's pages scattered at random over one shared pool.
-
-    Its width is rounded up to a multiple of jax paged_attention's pages per compute block (it
-    requires that; unused entries still point at valid pages)."""
-    ppcb = anchors.PAGED_PAGES_PER_COMPUTE_BLOCK
-    pages_per_seq = int(math.ceil(lengths.max() / PAGE_SIZE / ppcb)) * ppcb
-    total = len(lengths) * pages_per_seq
-    table = np.random.default_rng(seed).permutation(total).astype(np.int32).reshape(len(lengths), pages_per_seq)
-    return table, total
-
-
-def _decode_check(m: Model, batch: int) -> Check:
-    hq, hkv, d = m.q_heads // m.kv_heads, 1, m.head_dim
-    lengths = np.array([37, 200, 129, 16][:batch], np.int32)
-    table, total = _paged_inputs(lengths, seed=3)
-    rng = np.random.default_rng(4)
-    q = jnp.asarray(rng.standard_normal((batch, hq, d)), BF16)
-    kp, vp = (jnp.asarray(rng.standard_normal((hkv, total, PAGE_SIZE, d)), BF16) for _ in range(2))
-    # dense [B, Hkv, S, D] view of each sequence's pages, for the reference
-    dense = lambda p: jnp.moveaxis(p[:, jnp.asarray(table)].reshape(hkv, batch, -1, d), 0, 1)  # noqa: E731
-    scale = 1 / math.sqrt(d)
-    ref = _attention_reference(q[:, :, None], dense(kp), dense(vp), scale, jnp.asarray(lengths))[:, :, 0]
-    return Check((q, kp, vp, jnp.asarray(lengths), jnp.asarray(table)), {"scale": scale}, ref,
-                 f"{batch} seqs of {', '.join(map(str, lengths))} tokens, {hq} q / {hkv} kv heads, page {PAGE_SIZE}", 2e-2)
-
-
-def decode_problem(m: Model, batch: int) -> Problem:
-    hq, hkv, d = m.q_heads, m.kv_heads, m.head_dim
-    lengths = np.random.default_rng(batch).integers(*DECODE_CONTEXT, size=batch, endpoint=True).astype(np.int32)
-    table, total = _paged_inputs(lengths, seed=batch)
-    ctx = int(lengths.sum())
-    cb = min(batch, 4)
-    return Problem(
-        "decode", m.name, f"{m.short} decode B={batch}",
-        {"batch": batch, "context_tokens": ctx, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "page": PAGE_SIZE},
-        (_sds((batch, hq, d)), _sds((hkv, total, PAGE_SIZE, d)), _sds((hkv, total, PAGE_SIZE, d)),
-         jnp.asarray(lengths), jnp.asarray(table)), {"scale": 1 / math.sqrt(d)},
-        min_bytes=2 * (2 * hkv * ctx * d + 2 * batch * hq * d), min_flops=4 * hq * d * ctx,
-        check=functools.partial(_decode_check, m, cb), check_key=("decode", cb, hq // hkv, d))
-
-
-def problems(models=MODELS, families=("moe", "prefill", "decode")) -> list[Problem]:
-    out = []
-    for m in models:
-        if "moe" in families:
-            out += [moe_problem(m, t, p) for p in ("gate_up", "down") for t in m.moe_tokens]
-        if "prefill" in families:
-            out += [prefill_problem(m, t) for t in m.prefill_tokens]
-        if "decode" in families:
-            out += [decode_problem(m, b) for b in m.decode_batches]
-    return out
+FAMILIES = ("moe", "prefill", "decode")
+OURS = {"ragged_dot": "moe", "flash_attention": "prefill", "paged_attention": "decode"}
+BENCH_FILES = ("anchors.py", "compiled.py", "costmodel.py", "llo.py", "problems.py", "runner.py",
+               "stepmodel.py", "validate.py", "vllm_tpu.py")
 
 
 # --------------------------------------------------------------------------- implementations
@@ -224,81 +57,271 @@ class Impl:
     name: str
     kind: str  # "ours" | "anchor"
     family: str
-    fn: Callable | None  # None: not available (``missing`` says why)
-    missing: str | None = None
-    source: str = ""  # where our kernel was built from
-    prepare: Callable | None = None  # the problem's arrays into this kernel's layout, outside cost and timing
-    per_chip: bool = False  # fn takes chip= and picks its tiling for that generation
+    fn: Callable | None  # fn(*args in this implementation's layout, chip=, **problem kwargs, **options)
+    missing: str = ""  # why fn is None
+    source: str = ""  # ours: the kernel folder it was built from
+    prepare: Callable | None = None  # the problem's arrays -> this layout (load time: outside cost and timing)
+    search: Callable | None = None  # (problem, chip) -> options: the best tiling the model finds
+    context: Callable | None = None  # chip -> context manager the tracing runs in
+    cost: Callable | None = None  # (problem, args, chip, options) -> Cost, when estimate cannot follow the kernel
+    reference: Callable | None = None  # not runnable interpreted: the library's own reference, same signature
+    donate: tuple = ()  # arguments the layer updates in place (decode caches)
+    needs_device: bool = False  # fn takes device= (a mesh of one TPU device)
+    per_chip: bool = True  # counts depend on the chip (tiling, block sizes)
+    digest: str = ""  # its sources, for the compile cache and the staleness check
+    note: str = ""
 
-    def call(self, kwargs: dict, chip: str | None = None) -> Callable:
-        f = functools.partial(self.fn, **kwargs)
-        return functools.partial(f, chip=chip) if self.per_chip and chip else f
+    def call(self, kwargs: dict, chip: str, options: dict | None = None, **extra) -> Callable:
+        return functools.partial(self.fn, chip=chip, **kwargs, **(options or {}), **extra)
 
     def args(self, args: tuple) -> tuple:
         return tuple(self.prepare(*args)) if self.prepare else tuple(args)
 
+    def tracing(self, chip: str):
+        stack = contextlib.ExitStack()
+        stack.enter_context(anchors.tpu_info_on_cpu(chip))
+        if self.context is not None:
+            stack.enter_context(self.context(chip))
+        return stack
+
+
+def _map(x, fn_array, fn_shape):
+    """Apply a layout change to an array, or to a ShapeDtypeStruct's shape (bulk data stays abstract)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(fn_shape(tuple(x.shape)), x.dtype)
+    return fn_array(x)
+
 
 def _transpose(x, perm):
-    """jnp.transpose that also maps a ShapeDtypeStruct (bulk data stays abstract)."""
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(tuple(x.shape[i] for i in perm), x.dtype)
-    return jnp.transpose(x, perm)
+    return _map(x, lambda a: jnp.transpose(a, perm), lambda s: tuple(s[i] for i in perm))
 
 
-ANCHORS = {
-    "moe": [("jax megablox gmm", anchors.megablox_gmm), ("tokamax ragged_dot (mosaic)", anchors.tokamax_ragged_dot)],
-    "prefill": [("jax flash_attention", anchors.jax_flash_attention), ("jax splash_attention", anchors.splash_attention)],
-    "decode": [("jax paged_attention", anchors.jax_paged_attention)],
-}
-OURS = {"ragged_dot": "moe", "flash_attention": "prefill", "paged_attention": "decode"}
+def _moe_gmm_layout(x, ids, w, gate_up, down, logits):
+    """Weights in the layout grouped matmuls take: [E, H, 2I] and [E, I, H]."""
+    return x, ids, w, _transpose(gate_up, (0, 2, 1)), _transpose(down, (0, 2, 1))
 
 
-def _ours(key: str, family: str, module) -> Impl:
-    """Our kernel's JAX entry point in the problem's calling convention (see ``Problem``)."""
-    import importlib
+def _moe_fused_layout(x, ids, w, gate_up, down, logits):
+    """fused_moe v1's inputs: tokens, router logits, w1 [E, 2, H, I], w2 [E, I, H]."""
+    def w1(a):  # [E, 2I, H] -> [E, 2, I, H] -> [E, 2, H, I]
+        e, i2, h = a.shape
+        return jnp.transpose(a.reshape(e, 2, i2 // 2, h), (0, 1, 3, 2))
 
+    w1s = _map(gate_up, w1, lambda s: (s[0], 2, s[2], s[1] // 2))
+    return x, logits, w1s, _transpose(down, (0, 2, 1))
+
+
+def _ours_moe(module):
     pallas = importlib.import_module(module.__name__ + ".pallas")
-    name = f"ours: {key}"
-    if key == "ragged_dot":
-        def fn(lhs, rhs, group_sizes, chip="v6e"):
-            return pallas.gmm(lhs, rhs, group_sizes, chip=chip)
+    experts = importlib.import_module(module.__name__ + ".experts")
 
-        return Impl(name, "ours", family, fn, per_chip=True)
-    if key == "flash_attention":
-        def fn(q, k, v, *, scale, chip="v6e"):
-            return pallas.flash_attention(q, k, v, scale=scale, causal=True, chip=chip)
+    @contextlib.contextmanager
+    def chip_context(chip):  # the kernel tiles for the generation it runs on: answer for `chip`
+        saved = pallas.current_chip
+        pallas.current_chip = lambda: chip
+        try:
+            yield
+        finally:
+            pallas.current_chip = saved
 
-        return Impl(name, "ours", family, fn, per_chip=True)
-    if key == "paged_attention":
-        def prepare(q, k_pages, v_pages, lengths, page_indices):
-            # transformers' cache layout [P, page, Hkv, D] is this kernel's own: no copy in real use
-            return q, _transpose(k_pages, (1, 2, 0, 3)), _transpose(v_pages, (1, 2, 0, 3)), lengths, page_indices
+    def fn(x, ids, w, gate_up, down, logits, *, chip, top_k):
+        return experts.experts(x, ids, w, gate_up, down)
 
-        def fn(q, k_pages, v_pages, lengths, page_indices, *, scale):
-            cu_q_lens = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)  # decode: one new token per sequence
-            return pallas.ragged_paged_attention(q, k_pages, v_pages, lengths, page_indices, cu_q_lens, scale=scale)
-
-        return Impl(name, "ours", family, fn, prepare=prepare)
-    raise NotImplementedError(f"no bench adapter for kernel {key!r}")
+    return dict(fn=fn, context=chip_context)
 
 
-def _describe(path: Path) -> str:
-    """The kernel folder and, when it is in this repository, the commit it was built at."""
-    import subprocess
+def _ours_prefill(module):
+    pallas = importlib.import_module(module.__name__ + ".pallas")
 
-    try:
-        head = subprocess.run(["git", "-C", str(path), "log", "-1", "--format=%h %s", "--", "."],
-                              capture_output=True, text=True, timeout=10).stdout.strip()
-    except Exception:
-        head = ""
-    return f"{path}" + (f" (last commit {head[:80]})" if head else "")
+    def fn(q, k, v, *, scale, chip):
+        return pallas.flash_attention(q, k, v, scale=scale, causal=True, chip=chip)
+
+    return dict(fn=fn)
 
 
-def implementations(families, kernels_dir: Path | None = None, paths=(), progress=print) -> list[Impl]:
-    """Ours (built from the manifest, as ``pallas-hub check`` does, or from kernel folders given in
-    ``paths``, which win) and the anchors, per family."""
+def _ours_decode(module):
+    pallas = importlib.import_module(module.__name__ + ".pallas")
+
+    def fn(q, new_k, new_v, k_pages, v_pages, lengths, table, *, scale, chip):
+        cu = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)  # one new token per sequence
+        k_pages, v_pages = pallas.write_kv(k_pages, v_pages, new_k, new_v, lengths, table, cu)
+        out = pallas.ragged_paged_attention(q, k_pages, v_pages, lengths, table, cu, scale=scale)
+        return out, k_pages, v_pages
+
+    return dict(fn=fn, donate=(3, 4), per_chip=False)
+
+
+_OURS_ADAPTERS = {"ragged_dot": _ours_moe, "flash_attention": _ours_prefill, "paged_attention": _ours_decode}
+
+
+def _moe_anchor(grouped_matmul_of, mask_rows=False):
+    """An experts layer on a grouped matmul whose tiling is an option (None: its own choice)."""
+    def fn(x, ids, w, gate_up, down, *, chip, top_k, tiling=(None, None)):
+        return anchors.gmm_moe_layer(grouped_matmul_of(tiling[0]), grouped_matmul_of(tiling[1]), x, ids, w, gate_up,
+                                     down, mask_rows=mask_rows)
+
+    return fn
+
+
+def _gmm_shapes(problem: Problem) -> tuple[int, list[tuple[int, int]]]:
+    p = problem.params
+    m = anchors.ceil_to(p["tokens"] * p["top_k"], anchors.GMM_ROW_MULTIPLE)
+    return m, [(p["hidden"], 2 * p["intermediate"]), (p["intermediate"], p["hidden"])]
+
+
+def search_tiling(grouped_matmul_of) -> Callable:
+    """The tiling per projection that the model finds best on a chip, among ``anchors.gmm_tilings``.
+
+    Each candidate is counted by ``costmodel.estimate`` on the real group sizes and ranked by the
+    per-step model with compute at the MXU rate its tile shape allows (tile edges against the MXU
+    width; the compiled schedule is only read for the winner) and 0.35 us per step."""
+    counted: dict = {}
+
+    def best(problem: Problem, chip: str) -> dict:
+        c = get_chip(chip)
+        m, projections = _gmm_shapes(problem)
+        sizes = jnp.asarray(np.bincount(np.asarray(problem.args[1]).ravel(), minlength=problem.params["experts"]),
+                            jnp.int32)
+        picks = []
+        for k, n in projections:
+            best_t = None
+            for tiling in anchors.gmm_tilings(m, k, n, anchors.DEFAULT_SCOPED_VMEM[chip]):
+                key = (problem.name, k, n, tiling)
+                if key not in counted:
+                    gmm = grouped_matmul_of(tiling)
+                    try:
+                        with anchors.tpu_info_on_cpu(chip):
+                            counted[key] = costmodel.estimate(gmm, jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+                                                              jax.ShapeDtypeStruct((problem.params["experts"], k, n),
+                                                                                   jnp.bfloat16), sizes)
+                    except Exception:  # a tiling the kernel refuses
+                        counted[key] = None
+                cost = counted[key]
+                if cost is None:
+                    continue
+                t = _proxy_seconds(cost, tiling, c)
+                if best_t is None or t < best_t[0]:
+                    best_t = (t, tiling)
+            picks.append(best_t[1] if best_t else None)
+        return {"tiling": tuple(picks)}
+
+    return best
+
+
+def _proxy_seconds(cost, tiling, c) -> float:
+    """Per-step time with compute = flops at the MXU rate the tile shape allows (no schedule needed)."""
+    tm, tk, tn = tiling
+    eff = (tm / anchors.ceil_to(tm, 16)) * (tk / anchors.ceil_to(tk, c.mxu_dim)) * (tn / anchors.ceil_to(tn, c.mxu_dim))
+    total = 0.0
+    for call in cost.calls:
+        for st in call.step_types:
+            b = st.read_bytes + st.write_bytes + sum(st.dma_read) + sum(st.dma_write)
+            total += st.count * max(b / c.hbm_bandwidth, sum(st.flops) / (c.peak_flops * eff) + c.step_overhead_s)
+    return total
+
+
+def _anchor_digest(*extra: str) -> str:
+    from importlib import metadata
+
+    h = hashlib.sha256()
+    for name in ("jax", "tokamax", "tpu-inference"):
+        try:
+            h.update(f"{name}={metadata.version(name)}\0".encode())
+        except metadata.PackageNotFoundError:
+            h.update(f"{name}=none\0".encode())
+    for f in ("anchors.py", "vllm_tpu.py", *extra):
+        h.update((Path(__file__).parent / f).read_bytes())
+    return h.hexdigest()
+
+
+def anchor_impls(families) -> list[Impl]:
+    from . import vllm_tpu
+
+    digest = _anchor_digest()
+    out = []
+    if "moe" in families:
+        mb, tk = (lambda t: anchors.megablox(t or (128, 128, 128))), anchors.tokamax
+        out += [
+            Impl("jax megablox gmm", "anchor", "moe", _moe_anchor(mb), prepare=_moe_gmm_layout, per_chip=False,
+                 note="default tiling (128, 128, 128)"),
+            Impl("jax megablox gmm (best tiling)", "anchor", "moe", _moe_anchor(mb), prepare=_moe_gmm_layout,
+                 search=search_tiling(mb)),
+            Impl("tokamax ragged_dot", "anchor", "moe", _moe_anchor(tk, mask_rows=True), prepare=_moe_gmm_layout,
+                 per_chip=False, note="its own config (tuned table, else heuristic)"),
+            Impl("tokamax ragged_dot (best tiling)", "anchor", "moe", _moe_anchor(tk, mask_rows=True),
+                 prepare=_moe_gmm_layout, search=search_tiling(tk)),
+            Impl("vLLM TPU megablox gmm (tuned)", "anchor", "moe", _moe_anchor(lambda t: anchors.vllm_gmm()),
+                 prepare=_moe_gmm_layout, context=vllm_tpu.chip, note="tpu-inference's tuned block sizes"),
+            Impl("vLLM TPU fused_moe v1", "anchor", "moe", _fused_moe_fn, prepare=_moe_fused_layout,
+                 context=vllm_tpu.chip, cost=_fused_moe_cost, reference=_fused_moe_reference, needs_device=True,
+                 note="routing, experts and weighted sum in one kernel; its block sizes"),
+        ]
+    if "prefill" in families:
+        out += [
+            Impl("jax flash_attention", "anchor", "prefill", _anchor_fn(anchors.jax_flash_attention), per_chip=False,
+                 note="default blocks; K/V heads repeated (no GQA)"),
+            Impl("jax splash_attention", "anchor", "prefill", _anchor_fn(anchors.splash_attention), per_chip=False,
+                 note="default blocks; one MQA kernel per K/V head"),
+            Impl("vLLM TPU flash_attention", "anchor", "prefill", _anchor_fn(anchors.vllm_flash_attention),
+                 context=vllm_tpu.chip, note="its tuned parameters; K/V heads repeated (no GQA)"),
+        ]
+    if "decode" in families:
+        out += [
+            Impl("jax paged_attention", "anchor", "decode", _anchor_fn(anchors.jax_paged_decode), prepare=_jax_paged_layout,
+                 donate=(3, 4), per_chip=False, note="128-token compute blocks; K/V written by an XLA scatter"),
+            Impl("vLLM TPU ragged_paged_attention v3", "anchor", "decode", _anchor_fn(anchors.vllm_rpa_decode),
+                 prepare=_rpa_layout, context=vllm_tpu.chip, donate=(3,), reference=_anchor_fn(anchors.vllm_rpa_reference),
+                 note="its default block sizes; writes the new K/V itself"),
+        ]
+    for impl in out:
+        impl.digest = digest
+    return out
+
+
+def _anchor_fn(f):
+    def fn(*args, chip, **kwargs):
+        return f(*args, **kwargs)
+
+    return fn
+
+
+def _fused_moe_fn(x, logits, w1, w2, *, chip, device=None, top_k):
+    import numpy as onp
+
+    device = device or jax.devices()[0]
+    mesh = jax.sharding.Mesh(onp.array([device]).reshape(1, 1), ("data", "model"))
+    return anchors.fused_moe_v1_layer(mesh, x, logits, w1, w2, top_k=top_k)
+
+
+def _fused_moe_reference(x, logits, w1, w2, *, chip, top_k):
+    return anchors.fused_moe_v1_reference(None, x, logits, w1, w2, top_k=top_k)
+
+
+def _fused_moe_cost(problem: Problem, chip: str, options: dict):
+    p = problem.params
+    return anchors.fused_moe_v1_cost(np.asarray(problem.args[1]), p["hidden"], p["intermediate"], p["experts"],
+                                     "fused-moe")
+
+
+def _jax_paged_layout(q, new_k, new_v, k_pages, v_pages, lengths, table):
+    return q, new_k, new_v, _transpose(k_pages, (2, 0, 1, 3)), _transpose(v_pages, (2, 0, 1, 3)), lengths, table
+
+
+def _rpa_layout(q, new_k, new_v, k_pages, v_pages, lengths, table):
+    if isinstance(k_pages, jax.ShapeDtypeStruct):
+        p, page, hkv, d = k_pages.shape
+        cache = jax.ShapeDtypeStruct((p, page, 2 * hkv // 2, 2, d), k_pages.dtype)
+    else:
+        cache = anchors.rpa_cache(k_pages, v_pages)
+    return q, new_k, new_v, cache, lengths, table
+
+
+def implementations(families=FAMILIES, paths=(), progress=print, built: dict | None = None) -> list[Impl]:
+    """Ours (built from the manifest, or from kernel folders in ``paths``, which win) and the anchors.
+
+    ``built``: key -> an existing build folder (the compile workers reuse the parent's builds)."""
     from ..hub import manifest as mf
-    from ..hub.build import build_kernel, load_built
+    from ..hub.build import build_kernel, load_built, package_files, source_digest
 
     present = dict(mf.load_manifest().kernels)
     for path in paths:
@@ -313,178 +336,311 @@ def implementations(families, kernels_dir: Path | None = None, paths=(), progres
             impls.append(Impl(name, "ours", family, None, "not in the manifest (not on main yet)"))
             progress(f"  {name}: not in the manifest, reported as missing")
             continue
+        spec = present[key]
         try:
-            out = Path(kernels_dir) / key if kernels_dir else None
-            progress(f"  {name}: building {present[key].path}")
-            module = load_built(build_kernel(present[key], out))
-            impls.append(dataclasses.replace(_ours(key, family, module), source=_describe(present[key].path)))
+            digest = source_digest(spec, package_files(spec))
+            out = Path(built[key]) if built and key in built else compiled.cache_dir().parent / "builds" / f"{key}-{digest[:16]}"
+            if not (built and key in built):
+                progress(f"  {name}: building {spec.path.relative_to(ROOT) if spec.path.is_relative_to(ROOT) else spec.path}")
+                build_kernel(spec, out)
+            module = load_built(out)
+            impls.append(Impl(name, "ours", family, source=str(out), digest=digest, **_OURS_ADAPTERS[key](module)))
         except Exception as e:  # report, never fake a row
             impls.append(Impl(name, "ours", family, None, f"could not load: {verify.first_line(e)}"))
             progress(f"  {name}: {impls[-1].missing}")
-    for family in families:
-        impls += [Impl(n, "anchor", family, f) for n, f in ANCHORS[family]]
+    try:
+        impls += anchor_impls(families)
+    except Exception as e:  # e.g. tpu-inference missing: its rows say so
+        progress(f"  anchors: {verify.first_line(e)}")
+        raise
     return impls
 
 
-# --------------------------------------------------------------------------- running
+@functools.lru_cache(maxsize=1)
+def _worker_impls() -> dict[str, Impl]:
+    built = json.loads(os.environ.get("PALLAS_HUB_BENCH_BUILT", "{}"))
+    return {i.name: i for i in implementations(FAMILIES, progress=lambda *_: None, built=built)}
+
+
+def compile_target(impl_name: str, recipe, chip: str, options: dict, device):
+    """(fn, args placed on ``device``, donated argnums) of one benchmarked program, for the compile worker."""
+    impl = _worker_impls()[impl_name]
+    problem = rebuild(recipe)
+    sh = jax.sharding.SingleDeviceSharding(device)
+    with impl.tracing(chip):
+        args = impl.args(problem.args)
+    placed = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a in args)
+    extra = {"device": device} if impl.needs_device else {}
+    return impl.call(problem.kwargs, chip, _options(options), **extra), placed, impl.donate
+
+
+def _options(options: dict) -> dict:
+    return {k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v
+            for k, v in options.items()}
+
+
+@contextlib.contextmanager
+def tracing(impl_name: str, chip: str):
+    with _worker_impls()[impl_name].tracing(chip):
+        yield
+
+
+# --------------------------------------------------------------------------- one row
 
 def _check(impl: Impl, problem: Problem, cache: dict) -> dict:
-    key = (impl.name,) + problem.check_key
-    if key not in cache:
-        start = time.perf_counter()
-        try:
-            c = problem.check()
-            with verify.interpret("fast"):
-                out = jax.jit(impl.call(c.kwargs, "v6e"))(*impl.args(c.args))
-            out = np.asarray(jnp.asarray(out, jnp.float32))
-            ref = np.asarray(c.reference, np.float32)
-            err = float(np.max(np.abs(out - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
-            cache[key] = {"ok": bool(np.isfinite(err) and err <= c.tol), "rel_err": err, "tol": c.tol,
-                          "shape": c.shape, "seconds": time.perf_counter() - start}
-        except Exception as e:
-            cache[key] = {"ok": False, "error": verify.first_line(e), "seconds": time.perf_counter() - start}
+    key = (impl.name.split(" (")[0],) + problem.check_key  # tiling variants share their kernel's check
+    if key in cache:
+        return cache[key]
+    start = time.perf_counter()
+    try:
+        c = problem.check()
+        args = impl.args(c.args)
+        kwargs = c.kwargs
+        if impl.reference is not None:  # plain JAX (it may branch on values): run eagerly
+            with impl.tracing("v6e"):
+                out = impl.reference(*args, chip="v6e", **kwargs)
+            kind = "reference"
+        else:
+            with verify.interpret("fast"), impl.tracing("v6e"):
+                out = jax.jit(functools.partial(impl.fn, chip="v6e", **kwargs))(*args)
+            kind = "interpret"
+        out = out[0] if isinstance(out, tuple) else out
+        out = np.asarray(jnp.asarray(out, jnp.float32))
+        ref = np.asarray(c.reference, np.float32)
+        err = float(np.max(np.abs(out - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+        cache[key] = {"ok": bool(np.isfinite(err) and err <= c.tol), "rel_err": err, "tol": c.tol, "shape": c.shape,
+                      "kind": kind, "seconds": time.perf_counter() - start}
+    except Exception as e:
+        cache[key] = {"ok": False, "error": verify.first_line(e), "seconds": time.perf_counter() - start}
     return cache[key]
 
 
-def run_row(problem: Problem, impl: Impl, checks: dict, chips=DEFAULT_CHIPS) -> dict:
-    row = {"family": problem.family, "model": problem.model, "problem": problem.name, "params": problem.params,
-           "impl": impl.name, "kind": impl.kind, "min_bytes": problem.min_bytes, "min_flops": problem.min_flops}
-    if impl.fn is None:
-        return {**row, "status": "missing", "error": impl.missing}
-    start = time.perf_counter()
-    try:
+def _counts(impl: Impl, problem: Problem, chip: str, options: dict):
+    kwargs = problem.kwargs
+    if impl.cost is not None:
+        return impl.cost(problem, chip, options)
+    with impl.tracing(chip):
         args = impl.args(problem.args)
-        # a kernel that tiles per generation is modelled once per chip, with that chip's tiling
-        costs = {c: costmodel.estimate(impl.call(problem.kwargs, c), *args)
-                 for c in (chips if impl.per_chip else (None,))}
-    except Exception as e:
-        return {**row, "status": "error", "error": verify.first_line(e), "check": _check(impl, problem, checks)}
-    cost_of = lambda c: costs.get(c, costs.get(None))  # noqa: E731
-    cost = cost_of("v6e")
-    row.update(
-        status="ok", hbm_read_bytes=cost.hbm_read_bytes, hbm_write_bytes=cost.hbm_write_bytes,
-        hbm_bytes=cost.hbm_bytes, flops=cost.flops, steps=cost.grid_steps, calls=len(cost.calls),
-        modelled_s={c: cost_of(c).time(c) for c in chips},
-        roofline={c: costmodel.roofline_fraction(cost_of(c), problem.min_bytes, problem.min_flops, c) for c in chips},
-        ideal_s={c: costmodel.ideal_time(problem.min_bytes, problem.min_flops, c) for c in chips},
-        model_seconds=time.perf_counter() - start,
-    )
-    declared = [c.declared for c in cost.calls]
-    if declared and all(declared):  # what the kernel's author declared (pl.CostEstimate), for comparison
-        row["declared"] = {"flops": sum(d["flops"] for d in declared),
-                           "bytes_accessed": sum(d["bytes_accessed"] for d in declared)}
-    if impl.per_chip:
-        row["per_chip"] = {c: {"hbm_bytes": costs[c].hbm_bytes, "flops": costs[c].flops, "steps": costs[c].grid_steps}
-                           for c in chips}
-    row["check"] = _check(impl, problem, checks)
-    return row
+        return costmodel.estimate(impl.call(kwargs, chip, options), *args)
 
 
-def xla_matmul_comparison(shapes=((1024, 1024, 1024), (2048, 2048, 1536), (8192, 2048, 1536)),
-                          chips=DEFAULT_CHIPS, block=(512, 512, 512), progress=print) -> list[dict]:
-    """The cost model on jax's Pallas matmul beside XLA:TPU's cost analysis of jnp.dot (compiled here)."""
-    from jax.experimental.pallas.ops.tpu import matmul as pallas_matmul
-
-    from ..vendored._chips import chip as get_chip
-
-    rows = []
-    for m, k, n in shapes:
-        a, b = _sds((m, k)), _sds((k, n))
-        bm, bn, bk = block
-        cost = costmodel.estimate(functools.partial(pallas_matmul.matmul, block_shape=(bm, bn), block_k=bk), a, b)
-        min_bytes, min_flops = 2 * (m * k + k * n + m * n), 2 * m * k * n
-        for c in chips:
-            spec = get_chip(c)
-            dev = verify.tpu_devices(spec.topology)[0]
-            sh = jax.sharding.SingleDeviceSharding(dev)
-            start = time.perf_counter()
-            placed = (jax.ShapeDtypeStruct((m, k), BF16, sharding=sh), jax.ShapeDtypeStruct((k, n), BF16, sharding=sh))
-            compiled = jax.jit(jnp.dot).trace(*placed).lower(lowering_platforms=("tpu",)).compile()
-            ca = compiled.cost_analysis()
-            ca = ca[0] if isinstance(ca, list) else ca
-            row = {"m": m, "k": k, "n": n, "chip": c, "pallas_block": list(block),
-                   "xla_flops": float(ca["flops"]), "xla_bytes": float(ca["bytes accessed"]),
-                   "xla_optimal_s": float(ca["optimal_seconds"]),
-                   "model_flops": cost.flops, "model_bytes": cost.hbm_bytes, "model_s": cost.time(c),
-                   "min_bytes": min_bytes, "min_flops": min_flops,
-                   "ideal_s": costmodel.ideal_time(min_bytes, min_flops, c)}
-            row["model_over_xla"] = row["model_s"] / row["xla_optimal_s"]
-            rows.append(row)
-            progress(f"  xla vs model {m}x{k}x{n} {c}: XLA optimal {row['xla_optimal_s'] * 1e6:.1f} us "
-                     f"({row['xla_bytes'] / 1e6:.1f} MB, {row['xla_flops'] / 1e9:.2f} GF); model "
-                     f"{row['model_s'] * 1e6:.1f} us ({row['model_bytes'] / 1e6:.1f} MB, {row['model_flops'] / 1e9:.2f} GF); "
-                     f"ideal {row['ideal_s'] * 1e6:.1f} us  [{time.perf_counter() - start:.1f}s]")
-    return rows
+def _call_summary(call, ct: stepmodel.CallTime | None, chip: str) -> dict:
+    out = {"name": call.name, "hbm_bytes": call.hbm_bytes, "flops": call.flops, "grid_steps": call.grid_steps,
+           "v1_s": call.time(chip), "declared": call.declared}
+    if ct is not None:
+        out.update({f"v2_s_{o * 1e6:g}us": ct.seconds(o) for o in stepmodel.OVERHEADS})
+        out.update(ct.breakdown(), join_notes=ct.join_notes)
+    return out
 
 
-def run(families=("moe", "prefill", "decode"), *, out_dir: Path = RESULTS, readme: Path | None = README,
-        bridge: bool = True, xla: bool = True, measure: bool | None = None, progress=print,
-        problem_list: list[Problem] | None = None, impl_list: list[Impl] | None = None, paths=()) -> dict:
-    """The whole benchmark; returns (and writes) the results."""
+def assemble(problem: Problem, chip: str, cost, profile: dict | None) -> dict:
+    """One (row, chip): the v2 layer time at each overhead, its parts, and v1 beside it."""
+    res: dict[str, Any] = {"v1_kernel_s": cost.time(chip), "hbm_bytes": cost.hbm_bytes, "flops": cost.flops,
+                           "grid_steps": cost.grid_steps, "ideal_s": costmodel.ideal_time(problem.min_bytes,
+                                                                                         problem.min_flops, chip)}
+    if profile is None or "error" in profile:
+        res.update(status="error", error=(profile or {}).get("error", "not compiled"))
+        res["calls"] = [_call_summary(call, None, chip) for call in cost.calls]
+        return res
+    profile = dict(profile, ops=compiled.ops(profile))
+    pairs = stepmodel.match_calls(list(cost.calls), profile)
+    times, calls = [], []
+    for call, op in pairs:
+        ct = stepmodel.call_time(call, op["program"] if op else None, chip) if op and op.get("program") else None
+        times.append(ct)
+        calls.append(_call_summary(call, ct, chip))
+    if any(t is None for t in times):
+        res.update(status="error", error="a kernel of the program has no compiled schedule", calls=calls)
+        return res
+    glue = stepmodel.glue_ops(profile)
+    extra_kernels = len(stepmodel.kernel_ops(profile)) - len(pairs)
+    res.update(status="ok", calls=calls, compile_seconds=profile.get("compile_seconds"),
+               glue={"ops": len(glue), "hbm_bytes": sum(op["hbm_bytes"] for op in glue),
+                     "temp_bytes": (profile.get("memory") or {}).get("temp_size_in_bytes"),
+                     "top": [{"name": op["name"], "hbm_bytes": op["hbm_bytes"],
+                              "us": stepmodel.glue_time(op, chip, 0.0) * 1e6, "offloaded": op["offloaded"]}
+                             for op in sorted(glue, key=lambda o: -stepmodel.glue_time(o, chip, 0.0))[:6]]},
+               extra_kernels=extra_kernels)
+    for o in stepmodel.OVERHEADS:
+        k = sum(t.seconds(o) for t in times)
+        g = sum(stepmodel.glue_time(op, chip, o) for op in glue)
+        tag = f"{o * 1e6:g}us"
+        res[f"kernel_s_{tag}"], res[f"glue_s_{tag}"], res[f"layer_s_{tag}"] = k, g, k + g
+    res["roofline"] = res["ideal_s"] / res["layer_s_0.35us"]
+    res["bound"] = "DMA" if sum(x["dma_s"] for x in calls) >= sum(x["compute_s"] for x in calls) else "compute"
+    return res
+
+
+# --------------------------------------------------------------------------- the run
+
+def inputs_digest(paths=()) -> dict:
+    """What the published figures depend on: our kernels' sources (the manifest's, or ``paths``), the
+    anchors, the cost model and the chip table, and the versions of the compiler and libraries."""
+    from importlib import metadata
+
+    from ..hub import manifest as mf
+    from ..hub.build import package_files, source_digest
+
+    specs = dict(mf.load_manifest().kernels)
+    for path in paths:
+        spec = mf.load_kernel(Path(path))
+        specs[spec.key] = spec
+    h = hashlib.sha256()
+    for f in BENCH_FILES:
+        h.update((Path(__file__).parent / f).read_bytes())
+    h.update((Path(__file__).parents[1] / "vendored" / "_chips.py").read_bytes())
+    versions = {}
+    for name in ("jax", "jaxlib", "libtpu", "tokamax", "tpu-inference"):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return {"cost_model": h.hexdigest()[:16], "versions": versions,
+            "kernels": {f"ours: {k}": source_digest(spec, package_files(spec))[:16]
+                        for k, spec in sorted(specs.items()) if k in OURS},
+            "anchors": _anchor_digest()[:16]}
+
+
+def run(families=FAMILIES, *, out_dir: Path = RESULTS, bridge: bool = True, xla: bool = True,
+        measure: bool | None = None, progress=print, problem_list: list[Problem] | None = None,
+        impl_list: list[Impl] | None = None, paths=(), chips=DEFAULT_CHIPS, workers: int = 1,
+        publish: bool | None = None) -> dict:
+    """The whole benchmark; returns the results and writes them.
+
+    ``publish`` (default: a full run of every family on every chip with the manifest's kernels)
+    writes ``bench.json`` and re-renders every published file; otherwise the result goes to
+    ``out_dir/partial/`` and nothing published changes."""
     logging.getLogger("absl").setLevel(logging.ERROR)  # tokamax logs every autotuning-cache miss
     t0 = time.perf_counter()
     from . import timing
 
     measure = timing.tpu_host() if measure is None else measure
-    progress("== pallas-hub bench: modelled TPU cost (a model, not a measurement), "
+    full = tuple(families) == FAMILIES and tuple(chips) == DEFAULT_CHIPS and problem_list is None \
+        and impl_list is None and not paths
+    publish = full if publish is None else publish
+    progress("== pallas-hub bench: modelled TPU cost of whole layers (a model, not a measurement), "
              "CPU interpret-mode correctness" + (", TPU timings" if measure else ""))
     probs = problem_list if problem_list is not None else problems(families=families)
     impls = impl_list if impl_list is not None else implementations(families, paths=paths, progress=progress)
-    rows, checks = [], {}
-    for i, p in enumerate(probs):
-        for impl in (x for x in impls if x.family == p.family):
-            row = run_row(p, impl, checks)
-            rows.append(row)
-            progress(_progress_line(i + 1, len(probs), row, time.perf_counter() - t0))
-    result = {"generated_by": "pallas-hub bench", "chips": list(DEFAULT_CHIPS),
-              "kernel_sources": {i.name: i.source for i in impls if i.kind == "ours"},
-              "models": [dataclasses.asdict(m) for m in MODELS if m.name in {p.model for p in probs}], "rows": rows,
-              "note": "modelled_s and roofline are TPU cost-model outputs, not measurements"}
+    pairs = [(p, i) for p in probs for i in impls if i.family == p.family]
+
+    progress(f"== counts: {len(pairs)} rows x {len(chips)} chips (cost model on the real routing, lengths, pages)")
+    checks: dict = {}
+    rows, plan = [], []
+    for n, (p, impl) in enumerate(pairs):
+        start = time.perf_counter()
+        row = {"family": p.family, "model": p.model, "problem": p.name, "params": p.params, "impl": impl.name,
+               "kind": impl.kind, "note": impl.note, "min_bytes": p.min_bytes, "min_flops": p.min_flops}
+        if impl.fn is None:
+            rows.append({**row, "status": "missing", "error": impl.missing})
+            continue
+        per_chip: dict[str, Any] = {}
+        cost_cache: dict = {}
+        for c in chips:
+            try:
+                options = impl.search(p, c) if impl.search else {}
+                key = (json.dumps(options, default=str), c if impl.per_chip else None)
+                if key not in cost_cache:
+                    cost_cache[key] = _counts(impl, p, c, options)
+                per_chip[c] = {"options": options, "cost": cost_cache[key]}
+                plan.append((row, c, compiled.Job(impl.name, p.recipe, c, tuple(sorted(options.items())),
+                                                  impl.digest)))
+            except Exception as e:
+                per_chip[c] = {"error": verify.first_line(e)}
+        row["check"] = _check(impl, p, checks)
+        row["_per_chip"] = per_chip
+        row["count_seconds"] = time.perf_counter() - start
+        rows.append(row)
+        elapsed = time.perf_counter() - t0
+        progress(f"  [{n + 1}/{len(pairs)} {elapsed:5.0f}s, ETA {elapsed / (n + 1) * (len(pairs) - n - 1):4.0f}s] "
+                 f"{p.name:<26} {impl.name:<36} counted in {row['count_seconds']:.1f}s, "
+                 f"check {_check_word(row['check'])}")
+
+    progress(f"== compiling {len(plan)} programs ahead of time (TPU compile-only topologies, LLO schedules)")
+    built = {i.name.split(": ", 1)[1]: i.source for i in impls if i.kind == "ours" and i.source}
+    os.environ["PALLAS_HUB_BENCH_BUILT"] = json.dumps(built)
+    profiles = compiled.profiles([job for _, _, job in plan], progress=progress, workers=workers)
+
+    progress("== timing (per-step model v2, XLA glue, at 0 / 0.35 / 0.7 us per step)")
+    by_name = {p.name: p for p in probs}
+    for row in rows:
+        per_chip = row.pop("_per_chip", None)
+        if per_chip is None:
+            continue
+        row["chips"] = {}
+        for c, entry in per_chip.items():
+            if "error" in entry:
+                row["chips"][c] = {"status": "error", "error": entry["error"]}
+                continue
+            job = next(j for r, cc, j in plan if r is row and cc == c)
+            res = assemble(by_name[row["problem"]], c, entry["cost"], profiles.get(job.key))
+            res["options"] = entry["options"]
+            row["chips"][c] = res
+        oks = [v for v in row["chips"].values() if v.get("status") == "ok"]
+        row["status"] = "ok" if oks else "error"
+        if not oks:
+            row["error"] = next((v.get("error") for v in row["chips"].values() if v.get("error")), "")
+        progress(_progress_line(row))
+
+    result = {"generated_by": "pallas-hub bench", "chips": list(chips), "families": list(families),
+              "overheads_us": [o * 1e6 for o in stepmodel.OVERHEADS], "inputs": inputs_digest(paths),
+              "chip_figures": {c: _chip_dict(c) for c in chips},
+              "models": [dataclasses.asdict(m) for m in MODELS if m.name in {p.model for p in probs}],
+              "rows": rows, "note": "times are TPU cost-model outputs, not measurements"}
     if xla:
-        progress("== cost model vs XLA:TPU cost analysis (plain matmuls, compiled ahead of time here)")
-        result["xla_matmul"] = xla_matmul_comparison(progress=progress)
+        progress("== validation: the model on plain Pallas matmuls beside XLA:TPU's cost analysis")
+        from . import validate
+
+        result["xla_matmul"] = validate.xla_matmuls(progress=progress, chips=chips, workers=workers)
     if bridge:
         progress("== bridge overhead, measured on this machine (CPU)")
-        result["bridge"] = _bridge_bench(progress)
+        from . import bridge_overhead
+
+        result["bridge"] = bridge_overhead.run(progress=progress)
     if measure:
         progress("== TPU timings (this host has TPU chips)")
         from . import tpu_bench
 
         result["tpu"] = tpu_bench.run(probs, impls, rows, progress=progress)
     result["seconds"] = time.perf_counter() - t0
-    write(result, out_dir, readme)
-    progress(f"== done in {result['seconds']:.0f}s: {out_dir / 'bench.json'}" + (f", {readme}" if readme else ""))
+    write(result, out_dir, publish=publish)
     return result
 
 
-def _bridge_bench(progress):
-    from . import bridge_overhead
+def _chip_dict(c: str) -> dict:
+    spec = get_chip(c)
+    return {**dataclasses.asdict(spec), "clock_hz": spec.clock_hz, "vmatmul_flops": spec.vmatmul_flops}
 
-    return bridge_overhead.run(progress=progress)
+
+def _check_word(check: dict) -> str:
+    if check.get("ok"):
+        return "ok" if check.get("kind") != "reference" else "reference ok"
+    return "FAIL" if "rel_err" in check else f"error ({check.get('error', '?')})"
 
 
-def _progress_line(i, n, row, elapsed) -> str:
-    head = f"[{i}/{n} {elapsed:5.0f}s] {row['problem']:<18} {row['impl']:<30}"
+def _progress_line(row) -> str:
+    head = f"  {row['problem']:<26} {row['impl']:<36}"
     if row["status"] != "ok":
         return f"{head} {row['status'].upper()}: {row.get('error')}"
-    check = row.get("check", {})
-    ok = "ok" if check.get("ok") else "FAIL"
-    return (f"{head} {row['hbm_bytes'] / 1e6:9.1f} MB {row['flops'] / 1e9:8.2f} GF "
-            f"v6e {row['modelled_s']['v6e'] * 1e6:9.1f} us roofline {row['roofline']['v6e']:.2f}  check {ok}")
+    parts = []
+    for c, v in row["chips"].items():
+        parts.append(f"{c} {v['layer_s_0.35us'] * 1e6:9.1f} us" if v.get("status") == "ok" else f"{c} error")
+    return head + "  ".join(parts)
 
 
-# --------------------------------------------------------------------------- outputs
-
-def write(result: dict, out_dir: Path = RESULTS, readme: Path | None = README) -> None:
+def write(result: dict, out_dir: Path = RESULTS, *, publish: bool = True) -> Path:
+    """bench.json and every published file (``publish``), else ``out_dir/partial/`` only."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "bench.json").write_text(json.dumps(result, indent=1, default=_json_default))
-    from . import plots
+    target = out_dir if publish else out_dir / "partial"
+    target.mkdir(parents=True, exist_ok=True)
+    name = "bench.json" if publish else f"bench-{'-'.join(result['families'])}-{'-'.join(result['chips'])}.json"
+    path = target / name
+    path.write_text(json.dumps(result, indent=1, default=_json_default, sort_keys=True) + "\n")
+    if publish:
+        from . import report
 
-    plots.roofline(result, out_dir / "roofline.png")
-    plots.bars(result, out_dir / "modelled_time.png")
-    if readme is not None:
-        render_readme(result, Path(readme))
+        report.publish(result, out_dir)
+    return path
 
 
 def _json_default(x):
@@ -492,103 +648,6 @@ def _json_default(x):
         return int(x)
     if isinstance(x, (np.floating,)):
         return float(x)
+    if isinstance(x, tuple):
+        return list(x)
     raise TypeError(f"not JSON serialisable: {type(x).__name__}")
-
-
-MARK_BEGIN = "<!-- bench:begin (generated by `pallas-hub bench` from results/bench.json; do not edit) -->"
-MARK_END = "<!-- bench:end -->"
-
-
-def _fmt_bytes(b):
-    return f"{b / 1e6:.1f} MB" if b < 1e9 else f"{b / 1e9:.2f} GB"
-
-
-def _fmt_time(s):
-    return f"{s * 1e6:.1f} us" if s < 1e-3 else f"{s * 1e3:.2f} ms"
-
-
-def tables(result: dict) -> str:
-    """The markdown tables of a result (what the README shows)."""
-    lines = ["### Kernels on real model shapes (modelled TPU cost)", "",
-             "Times are TPU cost-model outputs (`pallas_hub.bench.costmodel`), not measurements. "
-             "Roofline = ideal time (the problem's minimum bytes and flops at the chip's roofline) / modelled time. "
-             "Check = CPU interpret-mode output vs a plain-JAX f32 reference (max |err| / max |ref|), at the reduced shape given below.",
-             "",
-             "Bytes, flops and steps are v6e's; kernels that tile per generation are modelled per chip.", "",
-             "| problem | implementation | HBM bytes | flops | steps | v5e | v6e | TPU7x | roofline v5e / v6e / 7x | check |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in result["rows"]:
-        if r["status"] != "ok":
-            lines.append(f"| {r['problem']} | {r['impl']} | {r['status']}: {r.get('error', '')} | | | | | | | |")
-            continue
-        c = r.get("check", {})
-        check = (f"ok ({c['rel_err']:.1e})" if c.get("ok") else
-                 f"FAIL ({c['rel_err']:.1e})" if "rel_err" in c else f"error: {c.get('error', '?')}")
-        m = r["modelled_s"]
-        rf = r["roofline"]
-        lines.append(f"| {r['problem']} | {r['impl']} | {_fmt_bytes(r['hbm_bytes'])} | {r['flops'] / 1e9:.2f} G | "
-                     f"{r['steps']} | {_fmt_time(m['v5e'])} | {_fmt_time(m['v6e'])} | {_fmt_time(m['tpu7x'])} | "
-                     f"{rf['v5e']:.2f} / {rf['v6e']:.2f} / {rf['tpu7x']:.2f} | {check} |")
-    sources = {k: v for k, v in result.get("kernel_sources", {}).items() if v}
-    if sources:
-        lines += ["", "Ours built from: " + "; ".join(f"{k}: `{v}`" for k, v in sources.items())]
-    shapes = {}
-    for r in result["rows"]:
-        c = r.get("check") or {}
-        if "shape" in c:
-            shapes.setdefault(r["family"], set()).add(c["shape"])
-    lines += ["", "Check shapes: " + "; ".join(f"{f}: {' | '.join(sorted(s))}" for f, s in shapes.items())]
-    declared = [r for r in result["rows"] if r.get("declared")]
-    if declared:
-        lines += ["", "### Cost model vs the kernels' own `pl.CostEstimate`", "",
-                  "What each kernel's author declares to XLA (bytes_accessed, flops) beside what the model counts "
-                  "for the same call (v6e).", "",
-                  "| problem | implementation | declared bytes | modelled bytes | declared flops | modelled flops |",
-                  "|---|---|---|---|---|---|"]
-        for r in declared:
-            d = r["declared"]
-            lines.append(f"| {r['problem']} | {r['impl']} | {_fmt_bytes(d['bytes_accessed'])} | {_fmt_bytes(r['hbm_bytes'])} | "
-                         f"{d['flops'] / 1e9:.2f} G | {r['flops'] / 1e9:.2f} G |")
-    if result.get("xla_matmul"):
-        lines += ["", "### Cost model vs XLA:TPU cost analysis (plain bf16 matmuls)", "",
-                  "XLA: `jnp.dot` compiled for the chip here (compile-only topology), `cost_analysis()`. "
-                  "Model: `pallas_hub.bench.costmodel` on jax's Pallas TPU matmul (blocks 512x512x512).", "",
-                  "| m x k x n | chip | XLA optimal_seconds | XLA bytes | model time | model bytes | model / XLA | ideal |",
-                  "|---|---|---|---|---|---|---|---|"]
-        for r in result["xla_matmul"]:
-            lines.append(f"| {r['m']}x{r['k']}x{r['n']} | {r['chip']} | {_fmt_time(r['xla_optimal_s'])} | "
-                         f"{_fmt_bytes(r['xla_bytes'])} | {_fmt_time(r['model_s'])} | {_fmt_bytes(r['model_bytes'])} | "
-                         f"{r['model_over_xla']:.2f} | {_fmt_time(r['ideal_s'])} |")
-    if result.get("bridge"):
-        b = result["bridge"]
-        lines += ["", f"### Bridge overhead (measured on this machine: {b.get('machine', '')})", "",
-                  f"torch custom op through the bridge vs the same jitted JAX function on JAX arrays, "
-                  f"{b['rows'][0]['calls']} calls after warm-up; target: at most {b['target_overhead_us']:.0f} us above raw JAX.", "",
-                  "| shape | dtype | raw JAX median / p90 | bridge median / p90 | overhead | zero-copy input |",
-                  "|---|---|---|---|---|---|"]
-        for r in b["rows"]:
-            lines.append(f"| {tuple(r['shape'])} | {r['dtype']} | {r['raw_jax_median_us']:.1f} / {r['raw_jax_p90_us']:.1f} us | "
-                         f"{r['bridge_median_us']:.1f} / {r['bridge_p90_us']:.1f} us | {r['overhead_median_us']:.1f} us "
-                         f"({'within' if r['within_target'] else 'above'} target) | {'yes' if r['input_zero_copy'] else 'no'} |")
-        cmp = b["compilations"]
-        lines += ["", f"XLA compilations over token counts {cmp['token_counts']}: {cmp['xla_compilations']} "
-                      f"({cmp['distinct_new_shapes']} new shapes).",
-                  "Breakdown (8,128) f32, median: " + ", ".join(f"{k} {v:.1f} us" for k, v in b["breakdown_us"].items()) + "."]
-    if result.get("tpu"):
-        lines += ["", "### Measured on TPU", "", "| problem | implementation | device | measured median | modelled |", "|---|---|---|---|---|"]
-        for r in result["tpu"]["rows"]:
-            lines.append(f"| {r['problem']} | {r['impl']} | {r['device']} | {_fmt_time(r['median_s'])} | "
-                         f"{_fmt_time(r['modelled_s']) if r.get('modelled_s') else ''} |")
-    lines += ["", f"Generated in {result.get('seconds', 0):.0f} s. Plots: `results/roofline.png`, `results/modelled_time.png`."]
-    return "\n".join(lines)
-
-
-def render_readme(result: dict, readme: Path) -> None:
-    body = f"{MARK_BEGIN}\n{tables(result)}\n{MARK_END}"
-    text = readme.read_text() if readme.exists() else "# Benchmarks\n\n"
-    if MARK_BEGIN in text and MARK_END in text:
-        pre, rest = text.split(MARK_BEGIN, 1)
-        text = pre + body + rest.split(MARK_END, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + body + "\n"
-    readme.write_text(text)

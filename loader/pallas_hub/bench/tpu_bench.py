@@ -1,9 +1,13 @@
-"""The real-TPU path of ``pallas-hub bench``: time every row, and transformers' MoE layers.
+"""The real-TPU path of ``pallas-hub bench``: time every row, calibrate the model, and time
+transformers' MoE layers.
 
 Runs only when the host has TPU chips (``timing.tpu_host()``), or in tests with a stand-in device
-and clock. Every kernel row of the modelled run is timed on the problem's real shapes (random data)
-with warm-up, the median of N runs and a device synchronisation after each; the measured time is
-put beside the modelled one. Qwen3-30B-A3B-shaped MoE decode layers (transformers'
+and clock. Every layer row of the modelled run is timed on the problem's real shapes (random data)
+with warm-up, the median of N runs and a device synchronisation after each (decode caches are
+donated and fed back, as in serving); the measured time is put beside the modelled one.
+``calibrate`` then fits the model's two unmeasurable constants, the cost per grid step (and per
+XLA op) and per DMA-loop iteration, to the timings, and re-ranks ours against the best anchor at
+the fitted costs. Qwen3-30B-A3B-shaped MoE decode layers (transformers'
 ``Qwen3MoeSparseMoeBlock``) are timed at batch 1, 64 and 256 with
 ``experts_implementation="grouped_mm"`` and with our experts kernel when the manifest has one.
 """
@@ -38,6 +42,12 @@ def materialize(args: tuple, seed: int = 0) -> tuple:
     return tuple(out)
 
 
+def _modelled(model_rows, problem, impl, chip):
+    row = next((r for r in model_rows if r["problem"] == problem and r["impl"] == impl and r.get("status") == "ok"), None)
+    v = ((row or {}).get("chips") or {}).get(chip) or {}
+    return row, v if v.get("status") == "ok" else None
+
+
 def time_rows(problems, impls, model_rows, *, chip: str | None, device: str, runs: int = 20, warmup: int = 3,
               clock: Callable[[], float] | None = None, sync: Callable[..., None] = synchronize,
               interpret: bool = False, progress=print) -> list[dict]:
@@ -48,24 +58,74 @@ def time_rows(problems, impls, model_rows, *, chip: str | None, device: str, run
     for i, p in enumerate(problems):
         data = materialize(p.args, seed=i)
         for impl in (x for x in impls if x.family == p.family and x.fn is not None):
-            fn = jax.jit(impl.call(p.kwargs, chip))
-            args = impl.args(data)
-            modelled = next((r["modelled_s"].get(chip) for r in model_rows
-                             if r["problem"] == p.name and r["impl"] == impl.name and r["status"] == "ok"), None)
+            _, v = _modelled(model_rows, p.name, impl.name, chip)
+            options = runner_options(v)
+            fn = jax.jit(impl.call(p.kwargs, chip, options), donate_argnums=impl.donate)
+            args = list(impl.args(data))
+
+            def step(*_):  # donated caches come back updated: feed them to the next call
+                out = fn(*args)
+                for pos, i_arg in enumerate(impl.donate):
+                    args[i_arg] = out[1 + pos]
+                return out
+
             kw = {"clock": clock} if clock else {}
             try:
-                if interpret:
-                    with verify.interpret("fast"):
-                        t = timing.measure(fn, *args, runs=runs, warmup=warmup, device=device, sync=sync, **kw)
-                else:
-                    t = timing.measure(fn, *args, runs=runs, warmup=warmup, device=device, sync=sync, **kw)
+                with impl.tracing(chip or "v6e"):
+                    if interpret:
+                        with verify.interpret("fast"):
+                            t = timing.measure(step, runs=runs, warmup=warmup, device=device, sync=sync, **kw)
+                    else:
+                        t = timing.measure(step, runs=runs, warmup=warmup, device=device, sync=sync, **kw)
             except Exception as e:
                 rows.append({"problem": p.name, "impl": impl.name, "device": device, "error": verify.first_line(e)})
                 continue
+            modelled = v and v.get("layer_s_0.35us")
             rows.append({"problem": p.name, "impl": impl.name, **t.to_dict(), "chip": chip, "modelled_s": modelled})
-            progress(f"  measured {p.name:<18} {impl.name:<30} {t.median_s * 1e6:9.1f} us"
+            progress(f"  measured {p.name:<26} {impl.name:<36} {t.median_s * 1e6:9.1f} us"
                      + (f" (modelled {modelled * 1e6:.1f} us)" if modelled else ""))
     return rows
+
+
+def runner_options(chip_result: dict | None) -> dict:
+    """The options (e.g. a searched tiling) a modelled row ran with, as the implementation takes them."""
+    from .runner import _options
+
+    return _options((chip_result or {}).get("options") or {})
+
+
+def calibrate(model_rows: list[dict], measured: list[dict], chip: str) -> dict:
+    """Fit the per-step cost (grid steps and XLA ops) and the per-DMA-loop-iteration cost to TPU timings.
+
+    Model per row: measured ~= modelled at 0 us + a x steps + b x loop iterations (least squares,
+    a, b >= 0); then each ranking of ours against the best anchor is redone at (a, b)."""
+    import numpy as np
+
+    xs, ys, keys = [], [], []
+    for m in measured:
+        row, v = _modelled(model_rows, m.get("problem"), m.get("impl"), chip)
+        if v is None or "median_s" not in m or "calls" not in v:
+            continue
+        steps = sum(k["grid_steps"] for k in v["calls"]) + v["glue"]["ops"]
+        loops = sum(k.get("loop_steps", 0) for k in v["calls"])
+        xs.append((steps, loops))
+        ys.append(m["median_s"] - v["layer_s_0us"])
+        keys.append((row["problem"], row["impl"], row["kind"], v["layer_s_0us"], steps, loops))
+    if len(xs) < 2:
+        return {"rows": len(xs), "note": "too few timed rows to calibrate"}
+    a_, b_ = np.linalg.lstsq(np.asarray(xs, float), np.asarray(ys, float), rcond=None)[0]
+    a_, b_ = max(float(a_), 0.0), max(float(b_), 0.0)
+    fitted = {k: k[3] + a_ * k[4] + b_ * k[5] for k in keys}
+    err = [abs(fitted[k] - (y + k[3])) / (y + k[3]) for k, y in zip(keys, ys)]
+    rankings = []
+    for prob in dict.fromkeys(k[0] for k in keys):
+        ours = [t for k, t in fitted.items() if k[0] == prob and k[2] == "ours"]
+        anchors = [(t, k[1]) for k, t in fitted.items() if k[0] == prob and k[2] == "anchor"]
+        if ours and anchors:
+            best = min(anchors)
+            rankings.append({"problem": prob, "best_anchor": best[1], "anchor_over_ours": best[0] / ours[0]})
+    return {"rows": len(xs), "step_cost_us": a_ * 1e6, "dma_loop_iteration_cost_us": b_ * 1e6,
+            "median_relative_error": float(np.median(err)), "rankings": rankings}
 
 
 def moe_decode_layers(experts_impls: dict[str, Callable | None], *, device: str, batches=MOE_DECODE_BATCHES,
@@ -116,6 +176,8 @@ def run(problems, impls, model_rows, *, progress=print, jax_device=None, **kw) -
         return {"device": str(jax_device), "rows": [], "skipped": msg}
     chip = chip_of(jax_device)
     rows = time_rows(problems, impls, model_rows, chip=chip, device=str(jax_device), progress=progress, **kw)
+    calibration = calibrate(model_rows, rows, chip)
+    progress(f"  calibration: {calibration}")
     if not on_torchtpu_host():  # torch_tpu missing, or installed on a host whose chip it did not bring up
         progress("  TorchTPU's `tpu` device is not up: transformers' MoE layers are not timed")
     else:
@@ -124,7 +186,7 @@ def run(problems, impls, model_rows, *, progress=print, jax_device=None, **kw) -
         if ours is not None:
             experts["pallas_hub_ragged_dot"] = ours
         rows += moe_decode_layers(experts, device="tpu", progress=progress)
-    return {"device": str(jax_device), "chip": chip, "rows": rows,
+    return {"device": str(jax_device), "chip": chip, "rows": rows, "calibration": calibration,
             "note": "measured on this TPU host: median of N runs after warm-up, synchronised"}
 
 

@@ -1,9 +1,26 @@
-"""TPU generations: the per-chip figures and compile-only topologies, and the generation of a device.
+"""TPU generations: the figures of one JAX device, compile-only topologies, and the generation of a device.
 
 The single source of chip figures (``pallas_hub/vendored/``): kernels tile with them (vendored as
-``_chips.py``), the compile tier takes the topologies and the cost model the speeds. Figures are
-per chip (DESIGN.md; jax's tpu_info for VMEM). ``topology`` is a libtpu compile-only topology name
-for ``jax.experimental.topologies.get_topology_desc``.
+``_chips.py``), the compile tier takes the topologies and the cost model the speeds.
+
+Every figure is per JAX device, which is one TensorCore: v5e and v6e have one TensorCore per chip
+(one device per chip); a TPU7x chip has two TensorCores and JAX shows each as its own device
+(``device_kind`` "TPU7x", ``num_cores`` 1), so a single-device program gets half the chip's HBM
+bandwidth and MXU peak. None of these chips is a megacore (v4 and v5p are: there one device spans
+two TensorCores and Pallas can split "parallel" grid axes over them); so no figure here assumes
+a second core, and using both TensorCores of a TPU7x takes two devices (e.g. a mesh of 2).
+
+Sources: bandwidth, bf16 peak, VMEM and MXU count/width are jax 0.10.2's own TPU info
+(``jax._src.pallas.mosaic.tpu_info.get_tpu_info_for_chip(version, 1)``, which divides TPU7x's
+per-chip 7.4e12 B/s and 2.31e15 FLOP/s by its 2 TensorCores; tests/test_chips.py checks these
+against it). ``vmatmul_cycles``: cycles one MXU is busy per vmatmul (16 packed bf16 rows against
+the loaded weights), from libtpu's static LLO profile of compute-bound kernels (v5e 16, v6e 8;
+TPU7x 8 assumed, its profile is unavailable). The clock follows: peak / (MXUs x 2 x 16 x width^2 /
+vmatmul_cycles); for v5e that gives 1.5 GHz, the documented clock; v6e 1.75 GHz and TPU7x 2.2 GHz
+are derived this way (not published). ``step_overhead_s``: the per-step cost nothing here can
+measure (0.35 us, Pallas' documented figure; libtpu's static model charges about 0.18 us on v6e and
+0.37 us on v5e); benchmarks report rankings at 0, 0.35 and 0.7 us, and a TPU run calibrates it.
+``topology`` is a libtpu compile-only topology for ``jax.experimental.topologies.get_topology_desc``.
 """
 
 from __future__ import annotations
@@ -19,17 +36,32 @@ MiB = 1 << 20
 @dataclasses.dataclass(frozen=True)
 class Chip:
     name: str
-    topology: str  # small single-host topology used for single-chip programs
-    peak_flops: float  # bf16 MXU peak, FLOP/s per chip
-    hbm_bandwidth: float  # bytes/s per chip
+    topology: str  # small single-host topology used for single-device programs
+    peak_flops: float  # bf16 MXU peak, FLOP/s per JAX device (TensorCore)
+    hbm_bandwidth: float  # bytes/s per JAX device
     vmem_bytes: int  # per TensorCore
-    step_overhead_s: float = 0.35e-6  # per grid step of a Pallas pipeline
+    mxu_count: int  # MXUs per TensorCore
+    mxu_dim: int  # MXU width (128 x 128 or 256 x 256)
+    vmatmul_cycles: int  # cycles an MXU is busy per vmatmul (16 packed bf16 rows)
+    tensorcores_per_chip: int = 1  # JAX devices per chip
+    step_overhead_s: float = 0.35e-6  # per grid step / DMA-loop iteration (not measurable here)
+
+    @property
+    def vmatmul_flops(self) -> int:
+        """bf16 flops of one vmatmul: 16 packed rows x width x width x 2."""
+        return 2 * 16 * self.mxu_dim ** 2
+
+    @property
+    def clock_hz(self) -> float:
+        """Core clock implied by the MXU peak: peak / flops per cycle of all MXUs."""
+        return self.peak_flops / (self.mxu_count * self.vmatmul_flops / self.vmatmul_cycles)
 
 
 CHIPS: dict[str, Chip] = {
-    "v5e": Chip("v5e", "v5e:2x2", 197e12, 819e9, 128 * MiB),
-    "v6e": Chip("v6e", "v6e:2x2", 918e12, 1640e9, 128 * MiB),
-    "tpu7x": Chip("tpu7x", "TPU7x:2x2x1", 2307e12, 7.4e12, 64 * MiB),
+    "v5e": Chip("v5e", "v5e:2x2", 1.97e14, 8.20e11, 128 * MiB, mxu_count=4, mxu_dim=128, vmatmul_cycles=16),
+    "v6e": Chip("v6e", "v6e:2x2", 9.20e14, 1.64e12, 128 * MiB, mxu_count=2, mxu_dim=256, vmatmul_cycles=8),
+    "tpu7x": Chip("tpu7x", "TPU7x:2x2x1", 2.31e15 / 2, 7.40e12 / 2, 64 * MiB, mxu_count=2, mxu_dim=256,
+                  vmatmul_cycles=8, tensorcores_per_chip=2),
 }
 DEFAULT_CHIPS = ("v5e", "v6e", "tpu7x")
 EIGHT_CHIP_TOPOLOGY = "v6e:2x4"  # for sharded (expert-parallel) programs

@@ -1,0 +1,374 @@
+"""Compile each benchmarked program ahead of time for a TPU generation and keep what the cost model reads.
+
+For one (implementation, problem, chip) the whole program (the kernels and the XLA ops around
+them) is compiled by XLA:TPU + Mosaic for the chip's compile-only topology, in a worker process
+started with libtpu's LLO dump flags (``llo.flags``: libtpu reads them once, when it loads). The
+worker keeps, per program, a profile (JSON):
+
+* ``hlo``: the compiled program (``compiled.as_text()``, compressed); ``ops(profile)`` reads its
+  top-level ops (the ENTRY computation's): each runs as its own program piece on the TensorCore,
+  reading its operands from HBM and writing its result there. Per op: its HBM bytes (in-place
+  updates count the update, gathers what they gather), whether it is a Pallas kernel
+  (``tpu_custom_call``) or offloaded to the SparseCores;
+* ``programs``: per op, its schedule from the LLO dump (``llo.analyse``: kernels keep their loop
+  tree, other ops the bundles one run issues);
+* ``memory``: XLA's memory analysis (the temporaries the program keeps in HBM), ``cost_analysis``.
+
+Profiles are cached under ``$PALLAS_HUB_CACHE`` (default ``~/.cache/pallas-hub``) ``/llo/<key>.json``,
+``key`` a digest of everything the compile depends on (the implementation's sources, the problem's
+shapes, the chip, jax/libtpu versions), so a re-run compiles only what changed.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Callable
+
+from . import llo
+
+PROFILE_VERSION = 2  # bump when what a profile holds changes: old cache entries are then ignored
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PALLAS_HUB_CACHE", Path.home() / ".cache" / "pallas-hub")) / "llo"
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    impl: str
+    problem: tuple  # the problem's recipe (problems.rebuild)
+    chip: str
+    options: tuple = ()  # (name, value) pairs the implementation takes (e.g. a tiling)
+    sources: str = ""  # digest of the implementation's code
+    static_profile: bool = False  # also libtpu's static LLO profile (validation compiles only)
+
+    @property
+    def key(self) -> str:
+        import jax
+        import jaxlib
+
+        from .problems import signature
+
+        try:
+            import importlib.metadata as md
+
+            libtpu = md.version("libtpu")
+        except Exception:
+            libtpu = "?"
+        problem = list(self.problem) if self.impl.startswith("validate:") else signature(_rebuild(self.problem))
+        reader = hashlib.sha256(Path(llo.__file__).read_bytes()).hexdigest()  # how schedules are read
+        text = json.dumps([PROFILE_VERSION, reader, self.impl, problem, self.chip, list(self.options), self.sources,
+                           self.static_profile, jax.__version__, jaxlib.__version__, libtpu], default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+    def to_dict(self) -> dict:
+        return {"impl": self.impl, "problem": list(self.problem), "chip": self.chip,
+                "options": [list(o) for o in self.options], "sources": self.sources,
+                "static_profile": self.static_profile}
+
+
+# --------------------------------------------------------------------------- the compiled HLO
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "u64": 8, "f64": 8, "f8e4m3fn": 1, "f8e5m2": 1, "s4": 0.5, "u4": 0.5}
+_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\](\{[^}]*\})?")
+_FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
+         "replica-id", "opt-barrier"}
+_IN_PLACE = {"dynamic-update-slice", "scatter"}
+_PARTIAL_READ = {"gather", "dynamic-slice", "slice"}
+
+
+def _bytes(type_text: str) -> int:
+    """HBM bytes of every array in an HLO type (buffers laid out in VMEM, ``S(1)``, excluded)."""
+    total = 0
+    for dt, dims, layout in _ARRAY.findall(type_text):
+        if layout and "S(1)" in layout:
+            continue
+        total += int(math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dt])
+    return total
+
+
+def _tuple_elements(type_text: str) -> list[str]:
+    """The top-level elements of a tuple type ``(a, (b, c), d)``; [type_text] if not a tuple."""
+    t = type_text.strip()
+    if not t.startswith("("):
+        return [t]
+    out, depth, start = [], 0, 1
+    for i, ch in enumerate(t):
+        if ch in "({[":
+            depth += 1
+        elif ch in ")}]":
+            depth -= 1
+        elif ch == "," and depth == 1:
+            out.append(t[start:i])
+            start = i + 1
+    out.append(t[start:-1])
+    return out
+
+
+def _output_type(opcode: str, type_text: str) -> str:
+    """The buffer an op writes: an async start's tuple also holds its operands (copy-start: (dst, src,
+    context); call-start: ((operands), result, ...)), which are not written."""
+    if opcode == "copy-start":
+        return _tuple_elements(type_text)[0]
+    if opcode.endswith("-start"):
+        parts = _tuple_elements(type_text)
+        return parts[1] if len(parts) > 1 else parts[0]
+    return type_text
+
+
+def _instructions(hlo: str):
+    """(computation name, is ENTRY, instruction text) for every instruction; an instruction's text
+    may span lines (backend configs hold newlines)."""
+    comp, entry, current = None, False, None
+    for line in hlo.splitlines():
+        head = re.match(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+        if head and not line.startswith(" "):
+            comp, entry = head.group(2), bool(head.group(1))
+            continue
+        if line.strip() == "}" and not line.startswith("  "):
+            if current:
+                yield current
+            comp, current = None, None
+            continue
+        if comp is None:
+            continue
+        if re.match(r"^\s+(?:ROOT\s+)?%[\w.\-]+\s*=", line):
+            if current:
+                yield current
+            current = (comp, entry, line)
+        elif current:
+            current = (current[0], current[1], current[2] + "\n" + line)
+
+
+def entry_ops(hlo: str) -> list[dict]:
+    """The top-level ops of a compiled module, with the HBM bytes each moves."""
+    instructions = list(_instructions(hlo))
+    roots: dict[str, str] = {}  # computation -> opcode of its ROOT
+    for comp, _, text in instructions:
+        m = re.match(r"\s*ROOT\s+%?[\w.\-]+\s*=\s*.+?\s([a-z][a-z\-]*)\(", text)
+        if m:
+            roots[comp] = m.group(1)
+    types: dict[str, str] = {}
+    ops = []
+    for _, entry, text in instructions:
+        if not entry:
+            continue
+        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s([a-z][a-z\-]*)\((.*)", text, re.S)
+        if not m:
+            continue
+        name, type_text, opcode, rest = m.groups()
+        types[name] = type_text
+        operands = re.findall(r"%([\w.\-]+)", rest.split(")")[0])
+        calls = re.search(r"calls=%?([\w.\-]+)", text)
+        target = re.search(r'custom_call_target="([^"]+)"', text)
+        root = roots.get(calls.group(1)) if calls and opcode == "fusion" else opcode
+        out = _bytes(_output_type(opcode, type_text))
+        ins = [_bytes(types.get(o, "")) for o in operands]
+        if opcode in _FREE or opcode.endswith("-done"):
+            hbm = 0  # an async pair's bytes are counted at its start
+        elif root in _IN_PLACE:  # the output aliases the buffer operand: only the update moves
+            big = max(range(len(ins)), key=lambda i: ins[i]) if ins else None
+            hbm = 2 * sum(b for i, b in enumerate(ins) if i != big)
+        elif root in _PARTIAL_READ:  # reads what it extracts, not the whole operand
+            hbm = out + sum(min(b, out) for b in ins)
+        else:
+            hbm = out + sum(ins)
+        ops.append({"name": name, "opcode": opcode, "root": root, "hbm_bytes": hbm,
+                    "kernel": opcode == "custom-call" and bool(target) and target.group(1) == "tpu_custom_call",
+                    "offloaded": 'async_execution_thread="sparsecore"' in text, "free": opcode in _FREE})
+    return ops
+
+
+# --------------------------------------------------------------------------- the worker
+
+def _rebuild(recipe):
+    from .problems import rebuild
+
+    return rebuild(recipe)
+
+
+def _compile_one(job: dict, dump: Path) -> dict:
+    """In the worker: compile one program and read its LLO dump (``dump`` is where libtpu writes)."""
+    import contextlib
+
+    import jax
+
+    from . import runner, validate
+    from ..verify import tpu_devices
+    from ..vendored._chips import chip as get_chip
+
+    device = tpu_devices(get_chip(job["chip"]).topology)[0]
+    if job["impl"].startswith("validate:"):
+        fn, args, donate = validate.compile_target(job["problem"], device)
+        context = contextlib.nullcontext()
+    else:
+        fn, args, donate = runner.compile_target(job["impl"], job["problem"], job["chip"], dict(job["options"]), device)
+        context = runner.tracing(job["impl"], job["chip"])
+    for f in dump.rglob("*"):
+        if f.is_file():
+            f.unlink()
+    start = time.perf_counter()
+    with context:
+        compiled = jax.jit(fn, donate_argnums=donate).trace(*args).lower(lowering_platforms=("tpu",)).compile()
+    seconds = time.perf_counter() - start
+    ca = compiled.cost_analysis() or {}
+    ca = ca[0] if isinstance(ca, list) else ca
+    mem = compiled.memory_analysis()
+    hlo = compiled.as_text()
+    programs = {}
+    for op in entry_ops(hlo):
+        path = llo.op_files(str(dump)).get(op["name"]) if not op["free"] else None
+        if path is None:
+            continue
+        program = llo.analyse(llo.read_bundles(path))
+        if not op["kernel"]:  # other ops: the bundles one run issues is all the model reads
+            n, static = llo.executed_bundles(program)
+            program = {"executed_bundles": n, "static": static}
+        programs[op["name"]] = program
+    static = {}
+    for path in dump.glob("profile/*.textproto"):
+        for m in re.finditer(r'hlo_op_name: "([^"]+)"\s+estimated_cycles: (\d+)', path.read_text()):
+            static[m.group(1)] = int(m.group(2))
+    return {"version": PROFILE_VERSION, "job": job, "compile_seconds": seconds, "static_cycles": static,
+            "cost_analysis": {k: float(v) for k, v in ca.items() if isinstance(v, (int, float))},
+            "memory": None if mem is None else {k: int(getattr(mem, k)) for k in
+                                                ("argument_size_in_bytes", "output_size_in_bytes",
+                                                 "temp_size_in_bytes", "alias_size_in_bytes")},
+            "hlo": base64.b64encode(zlib.compress(hlo.encode(), 6)).decode(), "programs": programs}
+
+
+def ops(profile: dict) -> list[dict]:
+    """The profile's top-level ops (``entry_ops`` of its compiled HLO) with their schedules (``program``)."""
+    hlo = zlib.decompress(base64.b64decode(profile["hlo"])).decode()
+    out = [op for op in entry_ops(hlo) if not op["free"]]
+    for op in out:
+        op["program"] = profile["programs"].get(op["name"])
+    return out
+
+
+def _worker(worklist: str, dump: str) -> None:
+    """python -m pallas_hub.bench.compiled WORKLIST DUMP_DIR: one line per job on stdout."""
+    items = json.loads(Path(worklist).read_text())
+    for item in items:
+        out = Path(item["out"])
+        try:
+            profile = _compile_one(item["job"], Path(dump))
+            tmp = out.with_suffix(".tmp")
+            tmp.write_text(json.dumps(profile))
+            tmp.replace(out)
+            print(f"DONE {item['key']} {profile['compile_seconds']:.1f}", flush=True)
+        except Exception as e:  # report and go on: one failing program must not stop the others
+            from ..verify import first_line
+
+            print(f"FAIL {item['key']} {first_line(e)}", flush=True)
+
+
+def profiles(jobs: list[Job], *, progress: Callable = print, workers: int = 1, timeout: float = 3600) -> dict[str, dict]:
+    """Profile per job key: from the cache, else compiled by ``workers`` worker processes.
+
+    A failed compile gives ``{"error": message}`` (never a guessed profile)."""
+    cache = cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    result: dict[str, dict] = {}
+    todo = []
+    for job in jobs:
+        key = job.key
+        path = cache / f"{key}.json"
+        if path.exists():
+            try:
+                result[key] = json.loads(path.read_text())
+                continue
+            except json.JSONDecodeError:
+                path.unlink()
+        todo.append({"key": key, "job": job.to_dict(), "out": str(path)})
+    if not todo:
+        return result
+    progress(f"  compiling {len(todo)} programs for TPU ahead of time ({len(jobs) - len(todo)} cached) "
+             f"in {workers} worker process(es)")
+    # libtpu reads its flags once per process: validation compiles with the static profile get their own
+    groups = [[t for t in todo if t["job"]["static_profile"] == flag] for flag in (False, True)]
+    batches = [(g[i::workers], bool(g[0]["job"]["static_profile"])) for g in groups if g for i in range(workers)
+               if g[i::workers]]
+    procs = []
+    tmp = Path(tempfile.mkdtemp(prefix="pallas-hub-llo-"))
+    try:
+        for i, (batch, static) in enumerate(batches):
+            worklist = tmp / f"work{i}.json"
+            worklist.write_text(json.dumps(batch))
+            dump = tmp / f"dump{i}"
+            dump.mkdir()
+            flags = llo.flags(str(dump)) + (f" --xla_jf_dump_static_llo_profile_to={dump}/profile" if static else "")
+            env = dict(os.environ, LIBTPU_INIT_ARGS=flags, JAX_PLATFORMS="cpu",
+                       ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_ACCELERATOR_TYPE=os.environ.get("TPU_ACCELERATOR_TYPE", ""))
+            procs.append(subprocess.Popen([sys.executable, "-m", "pallas_hub.bench.compiled", str(worklist), str(dump)],
+                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env))
+        _follow(procs, todo, result, progress, timeout)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return result
+
+
+def _follow(procs, todo, result, progress, timeout):
+    import selectors
+
+    by_key = {t["key"]: t for t in todo}
+    sel = selectors.DefaultSelector()
+    for p in procs:
+        sel.register(p.stdout, selectors.EVENT_READ, p)
+    start = time.perf_counter()
+    done = 0
+    open_streams = len(procs)
+    while open_streams and time.perf_counter() - start < timeout:
+        for key_, _ in sel.select(timeout=30):
+            line = key_.fileobj.readline()
+            if not line:
+                sel.unregister(key_.fileobj)
+                open_streams -= 1
+                continue
+            parts = line.split(" ", 2)
+            if parts[0] not in ("DONE", "FAIL") or len(parts) < 2 or parts[1].strip() not in by_key:
+                continue
+            key = parts[1].strip()
+            item = by_key[key]
+            done += 1
+            if parts[0] == "DONE":
+                result[key] = json.loads(Path(item["out"]).read_text())
+                what = f"{float(parts[2]):.0f}s"
+            else:
+                result[key] = {"error": parts[2].strip()}
+                what = "FAILED: " + parts[2].strip()
+            elapsed = time.perf_counter() - start
+            eta = elapsed / done * (len(todo) - done)
+            j = item["job"]
+            progress(f"  [{done}/{len(todo)} {elapsed:5.0f}s, ETA {eta:4.0f}s] compiled {_name(j['problem'])} | {j['impl']} "
+                     f"| {j['chip']}: {what}")
+    for t in todo:  # a worker that died takes its remaining jobs with it: say so
+        result.setdefault(t["key"], {"error": "the compile worker stopped before this program (crash or timeout)"})
+
+
+def _name(recipe) -> str:
+    try:
+        return _rebuild(recipe).name
+    except Exception:
+        return " ".join(map(str, recipe))
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])

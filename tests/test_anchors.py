@@ -1,0 +1,63 @@
+"""The anchors: vLLM TPU's kernels through the one adapter, and the layers built around the anchors."""
+
+import ast
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_hub import verify
+from pallas_hub.bench import anchors, problems, vllm_tpu
+from pallas_hub.hub.manifest import ROOT
+
+
+def test_stubbing_tpu_inference_happens_in_the_adapter_only():
+    """In the benchmark only bench/vllm_tpu.py puts modules into sys.modules (tpu-inference's vLLM-only imports)."""
+    for path in sorted((ROOT / "loader" / "pallas_hub" / "bench").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Subscript) and ast.unparse(node.value) == "sys.modules" \
+                    and isinstance(node.ctx, ast.Store):
+                assert path.name == "vllm_tpu.py", f"{path.relative_to(ROOT)} stubs a module"
+
+
+def test_vllm_gmm_interpreted_matches_ragged_dot_and_picks_its_tiles():
+    rng = np.random.default_rng(0)
+    lhs = jnp.asarray(rng.standard_normal((512, 256)), jnp.bfloat16)
+    rhs = jnp.asarray(rng.standard_normal((4, 256, 256)) / 16, jnp.bfloat16)
+    sizes = jnp.array([130, 33, 0, 149], jnp.int32)  # an empty group, rows past the groups
+    with vllm_tpu.chip("v6e"), verify.interpret("fast"):
+        out = jax.jit(lambda a, b, s: vllm_tpu.gmm().gmm(a, b, s, preferred_element_type=jnp.float32))(lhs, rhs, sizes)
+    ref = jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.float32), sizes)
+    n = int(sizes.sum())
+    np.testing.assert_allclose(np.asarray(out)[:n], np.asarray(ref)[:n], rtol=2e-2, atol=2e-2)
+    assert vllm_tpu.gmm_tiling(32768, 2048, 1536, 128) == (512, 2048, 1536)  # its default formula
+
+
+def test_vllm_kernels_that_cannot_run_interpreted_on_this_jax_say_so():
+    """RPA v3 and fused_moe v1 use dynamic-size DMAs that jax 0.10.2's interpreter rejects: the bench
+    checks them against their own references instead (never a faked kernel check)."""
+    c = problems._decode_check(problems.QWEN3_30B_A3B, 2, 16)
+    q, new_k, new_v, kp, vp, lengths, table = c.args
+    with vllm_tpu.chip("v6e"), verify.interpret("fast"), pytest.raises(Exception):
+        jax.jit(lambda *a: anchors.vllm_rpa_decode(*a, scale=c.kwargs["scale"]))(
+            q, new_k, new_v, anchors.rpa_cache(kp, vp), lengths, table)
+    ref = anchors.vllm_rpa_reference(q, new_k, new_v, anchors.rpa_cache(kp, vp), lengths, table, scale=c.kwargs["scale"])
+    assert float(jnp.max(jnp.abs(ref.astype(jnp.float32) - c.reference))) < 2e-2 * float(jnp.max(jnp.abs(c.reference)))
+
+
+def test_fused_moe_v1_counts_follow_its_routing():
+    """Every expert's weights per token block, one ffn trip per btc-row chunk of an expert's tokens."""
+    _, ids, _ = problems.routing(64, 8, 2, seed=1)
+    cost = anchors.fused_moe_v1_cost(ids, 256, 256, 8, "fused-moe")
+    (call,) = cost.calls
+    b = anchors.fused_moe_v1_blocks(64, 256, 256, 8, 2)
+    blocks = 64 // b["bt"]
+    assert call.loops[1].static_trips == 8 and call.loops[1].pipeline
+    (step,) = call.step_types
+    assert step.iterations[:2] == (blocks, blocks * 8)
+    assert step.dma_read[2] >= blocks * 8 * 3 * 256 * 256 * 2  # all weights, each block
+    chunks = sum(int(-(-np.bincount(ids[i * b["bt"]:(i + 1) * b["bt"]].ravel(), minlength=8) // b["btc"]).sum())
+                 for i in range(blocks))
+    assert step.iterations[2] == chunks
+    assert call.flops >= 2 * 64 * 2 * 3 * 256 * 256  # at least the useful work (chunks are padded)

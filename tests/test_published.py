@@ -1,0 +1,53 @@
+"""Every published figure is what the model gives at HEAD (the staleness check, fast).
+
+benchmarks/results/bench.json is the one source: benchmarks/README.md, kernels/*/benchmarks/RESULTS.md
+and each CARD.md's generated block must equal a re-render of it; the inputs it was made from (our
+kernels' sources, the anchors, the cost model, the chip table, the library versions) must be HEAD's;
+and a few rows' counts, recomputed now, must match. When this fails, run `pallas-hub bench`.
+"""
+
+import json
+
+import pytest
+
+from pallas_hub.bench import costmodel, report, runner
+from pallas_hub.hub.manifest import ROOT
+
+RESULT = ROOT / "benchmarks" / "results" / "bench.json"
+STALE = "the published benchmark figures are stale: run `pallas-hub bench` (or `make bench`) and commit the result"
+
+
+@pytest.fixture(scope="module")
+def result():
+    if not RESULT.exists():
+        pytest.fail(f"{RESULT.relative_to(ROOT)} is missing: {STALE}")
+    return json.loads(RESULT.read_text())
+
+
+def test_published_files_are_renderings_of_the_results(result):
+    assert result["families"] == list(runner.FAMILIES) and result["chips"] == list(runner.DEFAULT_CHIPS)
+    for path, text in report.rendered(result).items():
+        assert path.exists() and path.read_text() == text, f"{path.relative_to(ROOT)} differs from bench.json: {STALE}"
+    for path in report.rendered(result):
+        assert str(ROOT) not in path.read_text(), f"{path.relative_to(ROOT)} holds an absolute path"
+
+
+def test_the_results_were_made_from_head(result):
+    now = runner.inputs_digest()
+    for key in ("cost_model", "kernels", "anchors", "versions"):
+        assert result["inputs"][key] == now[key], f"{key} changed since bench.json was made: {STALE}"
+
+
+@pytest.mark.parametrize("problem, impl", [("Qwen3 decode B=8 page 16", "jax paged_attention"),
+                                          ("Qwen3 decode B=8 page 16", "ours: paged_attention"),
+                                          ("Qwen3 MoE layer T=8", "ours: ragged_dot")])
+def test_counts_recomputed_now_match(result, problem, impl):
+    (row,) = [r for r in result["rows"] if r["problem"] == problem and r["impl"] == impl]
+    prob = next(p for p in runner.problems() if p.name == problem)
+    (im,) = [i for i in runner.implementations((prob.family,), progress=lambda *_: None) if i.name == impl]
+    for chip in ("v6e",) if im.per_chip else ("v5e",):
+        with im.tracing(chip):
+            cost = costmodel.estimate(im.call(prob.kwargs, chip), *im.args(prob.args))
+        saved = row["chips"][chip]
+        assert (cost.hbm_bytes, cost.flops, cost.grid_steps) == (saved["hbm_bytes"], saved["flops"],
+                                                                 saved["grid_steps"]), STALE
