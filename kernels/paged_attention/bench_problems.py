@@ -1,28 +1,19 @@
-"""What `pallas-hub bench` runs for paged-attention-tpu: the benchmark's decode problems (one new token per
-sequence over 1k-4k token contexts in a shared page pool) beside jax's paged attention."""
+"""What `pallas-hub bench` runs for paged-attention-tpu: one decode step of a continuous batch (write the
+new token's K/V into the paged cache, then attend; 1 to 256 sequences of 1k-4k tokens, pages of 16 and 128)
+beside jax's paged attention and vLLM TPU's ragged paged attention v3."""
 
-import jax
 import jax.numpy as jnp
 
 from pallas_hub.hub.declarations import BenchImpl
 
-FAMILY = "decode"  # problems: q [B, Hq, D], pages [Hkv, P, page, D] (jax paged_attention's layout), lengths, table
-
-
-def _transpose(x, perm):
-    """jnp.transpose that also maps a ShapeDtypeStruct (bulk data stays abstract for the cost model)."""
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return jax.ShapeDtypeStruct(tuple(x.shape[i] for i in perm), x.dtype)
-    return jnp.transpose(x, perm)
+FAMILY = "decode"  # the family's cache layout [P, page, Hkv, D] is this kernel's (and transformers' paged cache)
 
 
 def implementation(kernel):
-    def prepare(q, k_pages, v_pages, lengths, page_indices):
-        # this kernel's layout [P, page, Hkv, D] is transformers' paged cache: no copy in real use
-        return q, _transpose(k_pages, (1, 2, 0, 3)), _transpose(v_pages, (1, 2, 0, 3)), lengths, page_indices
-
-    def fn(q, k_pages, v_pages, lengths, page_indices, *, scale):
+    def fn(q, new_k, new_v, k_pages, v_pages, lengths, table, *, scale, chip):
         cu_q_lens = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)  # decode: one new token per sequence
-        return kernel.pallas.ragged_paged_attention(q, k_pages, v_pages, lengths, page_indices, cu_q_lens, scale=scale)
+        k_pages, v_pages = kernel.pallas.write_kv(k_pages, v_pages, new_k, new_v, lengths, table, cu_q_lens)
+        out = kernel.pallas.ragged_paged_attention(q, k_pages, v_pages, lengths, table, cu_q_lens, scale=scale)
+        return out, k_pages, v_pages
 
-    return BenchImpl(fn, prepare=prepare)
+    return BenchImpl(fn, donate=(3, 4))  # block sizes do not depend on the chip

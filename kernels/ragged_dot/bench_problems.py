@@ -1,13 +1,25 @@
-"""What `pallas-hub bench` runs for ragged-dot-tpu: the benchmark's MoE problems (the expert projections of
-Qwen3-30B-A3B and GPT-OSS-20B, decode to prefill) beside jax's megablox gmm and tokamax's ragged_dot."""
+"""What `pallas-hub bench` runs for ragged-dot-tpu: whole MoE experts layers (Qwen3-30B-A3B and GPT-OSS-20B,
+1 to 8192 tokens) through the path transformers runs (`experts`, the fused expert MLP), beside megablox,
+tokamax and vLLM TPU's grouped matmuls and fused_moe."""
+
+import contextlib
 
 from pallas_hub.hub.declarations import BenchImpl
 
-FAMILY = "moe"  # problems: lhs [rows, k], rhs [experts, k, n], group_sizes [experts]
+FAMILY = "moe"
 
 
 def implementation(kernel):
-    def fn(lhs, rhs, group_sizes, chip="v6e"):
-        return kernel.pallas.gmm(lhs, rhs, group_sizes, chip=chip)
+    @contextlib.contextmanager
+    def chip_context(chip):  # the kernel tiles for the generation it runs on: answer for the modelled one
+        saved = kernel.pallas.current_chip
+        kernel.pallas.current_chip = lambda: chip
+        try:
+            yield
+        finally:
+            kernel.pallas.current_chip = saved
 
-    return BenchImpl(fn, per_chip=True)  # block sizes per TPU generation
+    def fn(x, ids, weights, gate_up, down, logits, *, top_k, chip):
+        return kernel.experts.experts(x, ids, weights, gate_up, down)
+
+    return BenchImpl(fn, per_chip=True, context=chip_context)

@@ -45,7 +45,6 @@ import numpy as np  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 FAMILIES = ("moe", "prefill", "decode")
-OURS = {"ragged_dot": "moe", "flash_attention": "prefill", "paged_attention": "decode"}
 BENCH_FILES = ("anchors.py", "compiled.py", "costmodel.py", "llo.py", "problems.py", "runner.py",
                "stepmodel.py", "validate.py", "vllm_tpu.py")
 
@@ -109,49 +108,6 @@ def _moe_fused_layout(x, ids, w, gate_up, down, logits):
 
     w1s = _map(gate_up, w1, lambda s: (s[0], 2, s[2], s[1] // 2))
     return x, logits, w1s, _transpose(down, (0, 2, 1))
-
-
-def _ours_moe(module):
-    pallas = importlib.import_module(module.__name__ + ".pallas")
-    experts = importlib.import_module(module.__name__ + ".experts")
-
-    @contextlib.contextmanager
-    def chip_context(chip):  # the kernel tiles for the generation it runs on: answer for `chip`
-        saved = pallas.current_chip
-        pallas.current_chip = lambda: chip
-        try:
-            yield
-        finally:
-            pallas.current_chip = saved
-
-    def fn(x, ids, w, gate_up, down, logits, *, chip, top_k):
-        return experts.experts(x, ids, w, gate_up, down)
-
-    return dict(fn=fn, context=chip_context)
-
-
-def _ours_prefill(module):
-    pallas = importlib.import_module(module.__name__ + ".pallas")
-
-    def fn(q, k, v, *, scale, chip):
-        return pallas.flash_attention(q, k, v, scale=scale, causal=True, chip=chip)
-
-    return dict(fn=fn)
-
-
-def _ours_decode(module):
-    pallas = importlib.import_module(module.__name__ + ".pallas")
-
-    def fn(q, new_k, new_v, k_pages, v_pages, lengths, table, *, scale, chip):
-        cu = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)  # one new token per sequence
-        k_pages, v_pages = pallas.write_kv(k_pages, v_pages, new_k, new_v, lengths, table, cu)
-        out = pallas.ragged_paged_attention(q, k_pages, v_pages, lengths, table, cu, scale=scale)
-        return out, k_pages, v_pages
-
-    return dict(fn=fn, donate=(3, 4), per_chip=False)
-
-
-_OURS_ADAPTERS = {"ragged_dot": _ours_moe, "flash_attention": _ours_prefill, "paged_attention": _ours_decode}
 
 
 def _moe_anchor(grouped_matmul_of, mask_rows=False):
@@ -316,35 +272,60 @@ def _rpa_layout(q, new_k, new_v, k_pages, v_pages, lengths, table):
     return q, new_k, new_v, cache, lengths, table
 
 
-def implementations(families=FAMILIES, paths=(), progress=print, built: dict | None = None) -> list[Impl]:
-    """Ours (built from the manifest, or from kernel folders in ``paths``, which win) and the anchors.
-
-    ``built``: key -> an existing build folder (the compile workers reuse the parent's builds)."""
+def _kernel_specs(paths=()) -> dict:
+    """The manifest's kernels, with kernel folders in ``paths`` in place of (or beside) them."""
     from ..hub import manifest as mf
-    from ..hub.build import build_kernel, load_built, package_files, source_digest
 
-    present = dict(mf.load_manifest().kernels)
+    specs = dict(mf.load_manifest().kernels)
     for path in paths:
         spec = mf.load_kernel(Path(path))
-        present[spec.key] = spec
+        specs[spec.key] = spec
+    return specs
+
+
+def raced_kernels(paths=()) -> dict:
+    """key -> (spec, family) of every kernel whose bench_problems.py races one of the benchmark's families."""
+    from ..hub.declarations import declaration
+
+    out = {}
+    for key, spec in sorted(_kernel_specs(paths).items()):
+        family = getattr(declaration(spec, "bench_problems"), "FAMILY", None)
+        if family is not None:
+            out[key] = (spec, family)
+    return out
+
+
+def kernel_digest(spec) -> str:
+    """What our row of a kernel depends on: its package sources and how the benchmark calls it."""
+    from ..hub.build import package_files, source_digest
+
+    h = hashlib.sha256(source_digest(spec, package_files(spec)).encode())
+    h.update((Path(spec.path) / "bench_problems.py").read_bytes())
+    return h.hexdigest()
+
+
+def implementations(families=FAMILIES, paths=(), progress=print, built: dict | None = None) -> list[Impl]:
+    """Ours (each kernel that declares a family in its bench_problems.py, built from the manifest or from
+    kernel folders in ``paths``, which win) and the anchors.
+
+    ``built``: key -> an existing build folder (the compile workers reuse the parent's builds)."""
+    from ..hub.build import build_kernel, load_built
+    from ..hub.declarations import bench_declaration
+
     impls = []
-    for key, family in OURS.items():
+    for key, (spec, family) in raced_kernels(paths).items():
         if family not in families:
             continue
         name = f"ours: {key}"
-        if key not in present:
-            impls.append(Impl(name, "ours", family, None, "not in the manifest (not on main yet)"))
-            progress(f"  {name}: not in the manifest, reported as missing")
-            continue
-        spec = present[key]
         try:
-            digest = source_digest(spec, package_files(spec))
+            digest = kernel_digest(spec)
             out = Path(built[key]) if built and key in built else compiled.cache_dir().parent / "builds" / f"{key}-{digest[:16]}"
             if not (built and key in built):
                 progress(f"  {name}: building {spec.path.relative_to(ROOT) if spec.path.is_relative_to(ROOT) else spec.path}")
                 build_kernel(spec, out)
-            module = load_built(out)
-            impls.append(Impl(name, "ours", family, source=str(out), digest=digest, **_OURS_ADAPTERS[key](module)))
+            (_, b), _ = bench_declaration(spec, load_built(out))
+            impls.append(Impl(name, "ours", family, b.fn, source=str(out), prepare=b.prepare, context=b.context,
+                              donate=tuple(b.donate), per_chip=b.per_chip, digest=digest))
         except Exception as e:  # report, never fake a row
             impls.append(Impl(name, "ours", family, None, f"could not load: {verify.first_line(e)}"))
             progress(f"  {name}: {impls[-1].missing}")
@@ -478,13 +459,6 @@ def inputs_digest(paths=()) -> dict:
     anchors, the cost model and the chip table, and the versions of the compiler and libraries."""
     from importlib import metadata
 
-    from ..hub import manifest as mf
-    from ..hub.build import package_files, source_digest
-
-    specs = dict(mf.load_manifest().kernels)
-    for path in paths:
-        spec = mf.load_kernel(Path(path))
-        specs[spec.key] = spec
     h = hashlib.sha256()
     for f in BENCH_FILES:
         h.update((Path(__file__).parent / f).read_bytes())
@@ -496,8 +470,7 @@ def inputs_digest(paths=()) -> dict:
         except metadata.PackageNotFoundError:
             versions[name] = None
     return {"cost_model": h.hexdigest()[:16], "versions": versions,
-            "kernels": {f"ours: {k}": source_digest(spec, package_files(spec))[:16]
-                        for k, spec in sorted(specs.items()) if k in OURS},
+            "kernels": {f"ours: {k}": kernel_digest(spec)[:16] for k, (spec, _) in raced_kernels(paths).items()},
             "anchors": _anchor_digest()[:16]}
 
 

@@ -4,9 +4,18 @@
     ``configs(kernel) -> list[pallas_hub.verify.matrix.Config]``: the configurations to compile per TPU generation.
 ``kernels/<key>/bench_problems.py`` (``pallas-hub bench``), either or both of
     ``FAMILY = "moe" | "prefill" | "decode"`` and ``implementation(kernel) -> BenchImpl``: race the
-    benchmark's problems of that family (real model shapes) and its anchors, calling this kernel as
-    ``BenchImpl`` says (the family's calling convention);
-    ``problems(kernel) -> list[BenchProblem]``: problems of the kernel's own (no anchor to race).
+    benchmark's whole-layer problems of that family (real model shapes, pallas_hub.bench.problems) and
+    its anchors, calling this kernel as ``BenchImpl`` says (the family's calling convention, below);
+    ``problems(kernel) -> list[BenchProblem]``: problems of the kernel's own (no anchor to race); their
+    checks run in tests/test_declarations.py, but the benchmark does not model them yet.
+
+The families' calling conventions (``chip`` is the TPU generation being modelled):
+    moe      ``fn(x [T, H], ids [T, k], weights [T, k], gate_up [E, 2I, H], down [E, H, I], logits [T, E],
+             *, top_k, chip) -> [T, H]`` (one experts layer, transformers' weight layout)
+    prefill  ``fn(q [1, Hq, S, D], k, v [1, Hkv, S, D], *, scale, chip) -> [1, Hq, S, D]`` (causal)
+    decode   ``fn(q [B, Hq, D], new_k, new_v [B, Hkv, D], k_pages, v_pages [P, page, Hkv, D], lengths [B],
+             table [B, pages], *, scale, chip) -> (out [B, Hq, D], k_pages, v_pages)`` (write the new
+             token's K/V at ``lengths - 1``, then attend over ``[0, lengths)``; the caches are donated)
 ``kernels/<key>/demo_check.py`` (``pallas-hub demo``)
     ``check(kernel, out=print) -> list[tuple[str, bool]]``: the kernel fetched from the local hub against
     an independent reference; each (name, ok) is one line of the demo's summary.
@@ -32,12 +41,13 @@ FAMILIES = ("moe", "prefill", "decode")  # the benchmark's problem families (pal
 
 @dataclasses.dataclass
 class BenchImpl:
-    """How the benchmark calls this kernel on its family's problems: ``fn(*prepare(*args), **kwargs)``
-    (plus ``chip=`` when ``per_chip``: the kernel picks its tiling per TPU generation)."""
+    """How the benchmark calls this kernel on its family's problems: ``fn(*prepare(*args), chip=, **kwargs)``."""
 
     fn: Callable
-    per_chip: bool = False
+    per_chip: bool = False  # the kernel's counts depend on the chip (tiling per TPU generation)
     prepare: Callable | None = None  # the family's arrays into this kernel's layout, outside cost and timing
+    context: Callable | None = None  # chip -> a context manager the kernel is traced in (e.g. its chip answered)
+    donate: tuple = ()  # argument positions the layer updates in place (the decode caches)
 
 
 @dataclasses.dataclass
