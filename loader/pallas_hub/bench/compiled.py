@@ -5,7 +5,7 @@ them) is compiled by XLA:TPU + Mosaic for the chip's compile-only topology, in a
 started with libtpu's LLO dump flags (``llo.flags``: libtpu reads them once, when it loads). The
 worker keeps, per program, a profile (JSON):
 
-* ``hlo``: the compiled program (``compiled.as_text()``, compressed); ``ops(profile)`` reads its
+* ``hlo``: the compiled program (the HLO text libtpu wrote, compressed; see ``compiled_hlo``); ``ops(profile)`` reads its
   top-level ops (the ENTRY computation's): each runs as its own program piece on the TensorCore,
   reading its operands from HBM and writing its result there. Per op: its HBM bytes (in-place
   updates count the update, gathers what they gather), whether it is a Pallas kernel
@@ -201,6 +201,17 @@ def _rebuild(recipe):
     return rebuild(recipe)
 
 
+def compiled_hlo(dump: Path) -> str:
+    """The compiled program's HLO text, as libtpu wrote it into the dump (its top-level program,
+    ``*-TLP-hlo.txt``). Not ``compiled.as_text()``: jaxlib 0.10.2 cannot read back what libtpu 0.0.52
+    compiles for programs with async ops ("async-update instruction should have 1 operands but sees 4",
+    e.g. any grouped-matmul MoE layer); where it can, both give the same entry ops."""
+    found = sorted(dump.glob("*-TLP-hlo.txt"))
+    if len(found) != 1:
+        raise RuntimeError(f"expected one compiled program (*-TLP-hlo.txt) in the LLO dump {dump}, found {len(found)}")
+    return found[0].read_text()
+
+
 def _compile_one(job: dict, dump: Path) -> dict:
     """In the worker: compile one program and read its LLO dump (``dump`` is where libtpu writes)."""
     import contextlib
@@ -228,7 +239,7 @@ def _compile_one(job: dict, dump: Path) -> dict:
     ca = compiled.cost_analysis() or {}
     ca = ca[0] if isinstance(ca, list) else ca
     mem = compiled.memory_analysis()
-    hlo = compiled.as_text()
+    hlo = compiled_hlo(dump)
     programs = {}
     for op in entry_ops(hlo):
         path = llo.op_files(str(dump)).get(op["name"]) if not op["free"] else None
