@@ -209,12 +209,11 @@ def _activate(gate, up, activation: str, alpha: float, limit: float):
 
 # --------------------------------------------------------------------------- quantized weights
 
-def scale_grid(w, scale):
-    """(scale as a [E, row blocks, col blocks] f32 grid, (rows, cols) per block) for weights w [E, out, in]:
-    fp8's block grid as stored; int8's per-channel scales as one block per row spanning all of ``in``."""
-    if jnp.dtype(w.dtype) == jnp.int8:
-        return scale.reshape(scale.shape[0], scale.shape[1], 1), (1, w.shape[2])
-    return scale, (FP8_BLOCK, FP8_BLOCK)
+def per_channel(w) -> bool:
+    """int8 weights: one scale per output channel, applied to the matmul's output columns (the weights
+    convert exactly to bf16), so the scales stay [E, out] (lane-dense); fp8: 128x128 block scales,
+    applied to the weights while dequantizing."""
+    return jnp.dtype(w.dtype) == jnp.int8
 
 
 def gate_up_scale_rows(scale_blocks: int, half: int, block_rows: int) -> tuple[int, int]:
@@ -230,19 +229,22 @@ def gate_up_scale_rows(scale_blocks: int, half: int, block_rows: int) -> tuple[i
     return half // block_rows, half % block_rows
 
 
-def _dequantize(dst_ref, w_ref, s_ref, *, block0, row_off: int, block: tuple[int, int], step: int = 256):
+def _dequantize(dst_ref, w_ref, s_ref, *, block0=0, row_off: int = 0, step: int = 256):
     """dst = w * scale (in dst's dtype), ``step`` weight rows at a time so the f32 temporaries stay small.
 
-    w_ref [rows, k] quantized; s_ref [row blocks, col blocks] f32, the whole expert's grid; weight
-    row r uses scale block row ``block0 + (row_off + r) // block[0]`` (block0 may be traced).
-    The scale grid is expanded by a 4-D broadcast (lanes and sublanes split on the block grid).
+    w_ref [rows, k] quantized; s_ref [row blocks, col blocks] f32, the whole expert's 128x128 grid;
+    weight row r uses scale block row ``block0 + (row_off + r) // 128`` (block0 may be traced). The
+    scale grid is expanded by a 4-D broadcast (lanes and sublanes split on the block grid).
+    ``s_ref`` None (per-channel int8): a plain conversion, the scales apply to the output.
     """
-    bn, bk = block
+    bn = bk = FP8_BLOCK
     rows_total, k = w_ref.shape
-    kb = s_ref.shape[1]
-    step = max(bn, step // bn * bn)
     for r in range(0, rows_total, step):
         rows = min(step, rows_total - r)
+        if s_ref is None:
+            dst_ref[r:r + rows, :] = w_ref[r:r + rows, :].astype(dst_ref.dtype)
+            continue
+        kb = s_ref.shape[1]
         first = row_off + r
         nb = -(-(first % bn + rows) // bn)
         s = s_ref[pl.ds(block0 + first // bn, nb), :]
@@ -274,25 +276,33 @@ def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
     i = pl.program_id(1)
     grp, tile = item_group[i], item_tile[i]
     first = jnp.logical_or(i == 0, item_tile[jnp.maximum(i - 1, 0)] != tile)
+    col_scales = [None] * n_w  # per-channel scales of each weight's output columns in this tile
     if quant is None:
         out_ref = refs[-1]
     else:  # dequantize each new weight block once into VMEM scratch; the MXU sees the compute dtype
-        block, starts = quant
+        channel, starts = quant
         s_ref, out_ref, deq_refs = refs[-2 - n_w], refs[-1 - n_w], refs[-n_w:]
         j = pl.program_id(0)
 
         @pl.when(_new_weights(fetch_group, i))
         def _dequant():
             for w, d, (b0, off) in zip(w_refs, deq_refs, starts):
-                _dequantize(d, w, s_ref, block0=j * tn // block[0] + b0, row_off=off, block=block)
+                # tn is a block multiple when there are several n tiles (no traced floor division:
+                # Mosaic lowers its sign fix-up by asking the runtime for the chip, none when compiling AOT)
+                first_block = j * (tn // FP8_BLOCK) if tn % FP8_BLOCK == 0 else 0
+                _dequantize(d, w, None if channel else s_ref, block0=first_block + b0, row_off=off)
 
         w_refs = deq_refs
+        if channel:  # starts hold each weight's first output column: 0, and n for up
+            col_scales = [lambda off=off: s_ref[pl.ds(jnp.minimum(grp, num_groups - 1), 1), pl.ds(j * tn + off, tn)]
+                          for off, _ in starts]
 
     @pl.when(grp < num_groups)
     def _compute():
         x = lhs_ref[...]
         dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
         ys = [lax.dot_general(x, w[...], dims, preferred_element_type=jnp.float32) for w in w_refs]
+        ys = [y if cs is None else y * cs() for y, cs in zip(ys, col_scales)]
         if has_bias:
             ys = [y + b[...].astype(jnp.float32) for y, b in zip(ys, b_refs)]
         if interleaved:
@@ -367,22 +377,28 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
     if rhs_scale is not None:
         if not transposed or interleaved:
             raise NotImplementedError("quantized weights: only the [g, n, k] layout with [gate; up] halves")
-        grid_s, block = scale_grid(rhs, rhs_scale)
-        if tiles_n > 1 and tn % block[0]:
-            raise ValueError(f"quantized weights need tn to be a multiple of the scale block ({block[0]}), got {tn}")
-        starts = [(0, 0)] + ([gate_up_scale_rows(grid_s.shape[1], n, block[0])] if n_w == 2 else [])
-        need_blocks = max(b0 + -(-(off + tiles_n * tn) // block[0]) for b0, off in starts)
-        if need_blocks > grid_s.shape[1]:  # the last n tile overhangs: give its rows (dropped) scales too
-            grid_s = jnp.pad(grid_s, ((0, 0), (0, need_blocks - grid_s.shape[1]), (0, 0)))
-        quant = (block, tuple(starts))
-        in_specs.append(pl.BlockSpec((None,) + grid_s.shape[1:], lambda j, i, off, ig, it, fg, ft: (fg[i], 0, 0)))
-        operands.append(grid_s.astype(jnp.float32))
+        channel = per_channel(rhs)
+        if channel:  # [g, n_full] whole in VMEM (a few MiB at most), the group's row read per tile
+            starts = [(0, 0)] + ([(n, 0)] if n_w == 2 else [])
+            need_cols = max(off + tiles_n * tn for off, _ in starts)
+            scales = jnp.pad(rhs_scale, ((0, 0), (0, max(need_cols - n_full, 0))))  # overhang: dropped columns
+            in_specs.append(pl.BlockSpec(scales.shape, lambda j, i, off, ig, it, fg, ft: (0, 0)))
+        else:  # [g, n/128, k/128] block grid: the group's whole grid (full dims), sliced per tile in-kernel
+            if tiles_n > 1 and tn % FP8_BLOCK:
+                raise ValueError(f"fp8 weights need tn to be a multiple of {FP8_BLOCK}, got {tn}")
+            starts = [(0, 0)] + ([gate_up_scale_rows(rhs_scale.shape[1], n, FP8_BLOCK)] if n_w == 2 else [])
+            need_blocks = max(b0 + -(-(off + tiles_n * tn) // FP8_BLOCK) for b0, off in starts)
+            # the last n tile overhangs: give its rows (dropped) scales too
+            scales = jnp.pad(rhs_scale, ((0, 0), (0, max(need_blocks - rhs_scale.shape[1], 0)), (0, 0)))
+            in_specs.append(pl.BlockSpec((None,) + scales.shape[1:], lambda j, i, off, ig, it, fg, ft: (fg[i], 0, 0)))
+        quant = (channel, tuple(starts))
+        operands.append(scales.astype(jnp.float32))
         scratch = [pltpu.VMEM((wn, k), lhs.dtype) for _ in range(n_w)]
 
     inb, outb = lhs.dtype.itemsize, out_dtype.itemsize
     if vmem_limit_bytes is None:
         need = gmm_vmem_bytes(tm, tn, k, inb, outb, 2 if gated else 1, quantized=quant is not None) + (
-            4 * tm * wn * 4 if interleaved else 0)
+            4 * tm * wn * 4 if interleaved else 0) + (2 * operands[-1].size * 4 if quant and quant[0] else 0)
         vmem_limit_bytes = int(min(max(need * 1.25 + 4 * MiB, 32 * MiB), _chip(chip).vmem_bytes * 0.9))
     kernel = functools.partial(_gmm_kernel, tm=tm, tn=tn, num_groups=g, transposed=transposed, activation=activation,
                                interleaved=interleaved, alpha=float(alpha), limit=float(limit),
@@ -571,21 +587,27 @@ def _moe_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, x_ref, 
     w_refs, d_ref = refs[:n_w], refs[n_w]
     b_refs, db_ref = (refs[n_w + 1:2 * n_w + 1], refs[2 * n_w + 1]) if has_bias else ((), None)
     i = pl.program_id(0)
+    grp, tile = item_group[i], item_tile[i]
+    col_scales, d_scale = [None, None], None
     if quant is None:
         out_ref = refs[-1]
     else:  # each expert's slabs are dequantized once (first item of the group) into VMEM scratch
-        (gu_block, up_start), d_block = quant
+        channel, up_start = quant
         gs_ref, ds_ref, out_ref = refs[-6:-3]
         deq_refs = refs[-3:]
 
         @pl.when(_new_weights(fetch_group, i))
         def _dequant():
             for w, dst, (b0, off) in zip(w_refs, deq_refs, [(0, 0), up_start]):
-                _dequantize(dst, w, gs_ref, block0=b0, row_off=off, block=gu_block)
-            _dequantize(deq_refs[2], d_ref, ds_ref, block0=0, row_off=0, block=d_block)
+                _dequantize(dst, w, None if channel else gs_ref, block0=b0, row_off=off)
+            _dequantize(deq_refs[2], d_ref, None if channel else ds_ref)
 
         w_refs, d_ref = deq_refs[:2], deq_refs[2]
-    grp, tile = item_group[i], item_tile[i]
+        if channel:  # per-channel scales multiply the f32 outputs: gate columns [0, I), up [I, 2I), down [0, H)
+            half = d_ref.shape[1]
+            row = lambda ref, off, width: ref[pl.ds(grp, 1), pl.ds(off, width)]  # noqa: E731
+            col_scales = [lambda: row(gs_ref, 0, half), lambda: row(gs_ref, half, half)]
+            d_scale = lambda: row(ds_ref, 0, ds_ref.shape[1])  # noqa: E731
     first = jnp.logical_or(i == 0, item_tile[jnp.maximum(i - 1, 0)] != tile)
     dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
     ddims = (((1,), (1,)), ((), ())) if down_transposed else (((1,), (0,)), ((), ()))
@@ -602,12 +624,15 @@ def _moe_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, x_ref, 
             def _chunk():
                 x = x_ref[rows, :]
                 ys = [lax.dot_general(x, w[...], dims, preferred_element_type=jnp.float32) for w in w_refs]
+                ys = [y if cs is None else y * cs() for y, cs in zip(ys, col_scales)]
                 if has_bias:
                     ys = [y + b[...].astype(jnp.float32) for y, b in zip(ys, b_refs)]
                 if interleaved:
                     ys = _deinterleave(ys[0])
                 h = _activate(ys[0], ys[1], activation, alpha, limit).astype(d_ref.dtype)
                 y = lax.dot_general(h, d_ref[...], ddims, preferred_element_type=jnp.float32)
+                if d_scale is not None:
+                    y = y * d_scale()
                 if has_bias:
                     y = y + db_ref[...].astype(jnp.float32)
                 r = lo + lax.broadcasted_iota(jnp.int32, y.shape, 0)
@@ -695,12 +720,18 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     if gate_up_scale is not None:
         if not (transposed and down_transposed) or interleaved:
             raise NotImplementedError("quantized weights: only the [g, 2I, H] / [g, H, I] layout with [gate; up] halves")
-        (gs, gblock), (ds, dblock) = scale_grid(gate_up, gate_up_scale), scale_grid(down, down_scale)
-        quant = ((gblock, gate_up_scale_rows(gs.shape[1], i, gblock[0])), dblock)
-        in_specs += [pl.BlockSpec((None,) + a.shape[1:], imap(lambda it, fg, ft: (fg[it], 0, 0))) for a in (gs, ds)]
-        operands += [gs.astype(jnp.float32), ds.astype(jnp.float32)]
+        channel = per_channel(gate_up)
+        if channel:  # [g, 2I] and [g, H] whole in VMEM, the group's row read per item
+            quant = (True, (0, 0))
+            in_specs += [pl.BlockSpec(a.shape, imap(lambda it, fg, ft: (0, 0))) for a in (gate_up_scale, down_scale)]
+        else:  # the group's whole 128x128 block grids
+            quant = (False, gate_up_scale_rows(gate_up_scale.shape[1], i, FP8_BLOCK))
+            in_specs += [pl.BlockSpec((None,) + a.shape[1:], imap(lambda it, fg, ft: (fg[it], 0, 0)))
+                         for a in (gate_up_scale, down_scale)]
+        operands += [gate_up_scale.astype(jnp.float32), down_scale.astype(jnp.float32)]
         scratch = [pltpu.VMEM((i, h), x.dtype), pltpu.VMEM((i, h), x.dtype), pltpu.VMEM((h, i), x.dtype)]
-    need = moe_vmem_bytes(tm, chunk, h, i, x.dtype.itemsize, out_dtype.itemsize, gate_up.dtype.itemsize)
+    need = moe_vmem_bytes(tm, chunk, h, i, x.dtype.itemsize, out_dtype.itemsize, gate_up.dtype.itemsize) + (
+        2 * 4 * (gate_up_scale.size + down_scale.size) if quant and quant[0] else 0)
     kernel = functools.partial(_moe_kernel, tm=tm, chunk=chunk, num_groups=g, transposed=transposed,
                                down_transposed=down_transposed,
                                activation=activation, interleaved=interleaved, alpha=float(alpha),
