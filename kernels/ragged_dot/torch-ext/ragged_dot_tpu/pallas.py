@@ -381,18 +381,18 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
         if channel:  # [g, n_full] whole in VMEM (a few MiB at most), the group's row read per tile
             starts = [(0, 0)] + ([(n, 0)] if n_w == 2 else [])
             need_cols = max(off + tiles_n * tn for off, _ in starts)
-            scales = jnp.pad(rhs_scale, ((0, 0), (0, max(need_cols - n_full, 0))))  # overhang: dropped columns
+            scales = rhs_scale if need_cols <= n_full else jnp.pad(rhs_scale, ((0, 0), (0, need_cols - n_full)))
             in_specs.append(pl.BlockSpec(scales.shape, lambda j, i, off, ig, it, fg, ft: (0, 0)))
         else:  # [g, n/128, k/128] block grid: the group's whole grid (full dims), sliced per tile in-kernel
             if tiles_n > 1 and tn % FP8_BLOCK:
                 raise ValueError(f"fp8 weights need tn to be a multiple of {FP8_BLOCK}, got {tn}")
             starts = [(0, 0)] + ([gate_up_scale_rows(rhs_scale.shape[1], n, FP8_BLOCK)] if n_w == 2 else [])
             need_blocks = max(b0 + -(-(off + tiles_n * tn) // FP8_BLOCK) for b0, off in starts)
-            # the last n tile overhangs: give its rows (dropped) scales too
-            scales = jnp.pad(rhs_scale, ((0, 0), (0, max(need_blocks - rhs_scale.shape[1], 0)), (0, 0)))
+            scales = rhs_scale if need_blocks <= rhs_scale.shape[1] else jnp.pad(  # last n tile overhangs
+                rhs_scale, ((0, 0), (0, need_blocks - rhs_scale.shape[1]), (0, 0)))
             in_specs.append(pl.BlockSpec((None,) + scales.shape[1:], lambda j, i, off, ig, it, fg, ft: (fg[i], 0, 0)))
         quant = (channel, tuple(starts))
-        operands.append(scales.astype(jnp.float32))
+        operands.append(scales)  # f32 (validated by the experts op)
         scratch = [pltpu.VMEM((wn, k), lhs.dtype) for _ in range(n_w)]
 
     inb, outb = lhs.dtype.itemsize, out_dtype.itemsize
@@ -728,7 +728,7 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
             quant = (False, gate_up_scale_rows(gate_up_scale.shape[1], i, FP8_BLOCK))
             in_specs += [pl.BlockSpec((None,) + a.shape[1:], imap(lambda it, fg, ft: (fg[it], 0, 0)))
                          for a in (gate_up_scale, down_scale)]
-        operands += [gate_up_scale.astype(jnp.float32), down_scale.astype(jnp.float32)]
+        operands += [gate_up_scale, down_scale]  # f32 (validated by the experts op)
         scratch = [pltpu.VMEM((i, h), x.dtype), pltpu.VMEM((i, h), x.dtype), pltpu.VMEM((h, i), x.dtype)]
     need = moe_vmem_bytes(tm, chunk, h, i, x.dtype.itemsize, out_dtype.itemsize, gate_up.dtype.itemsize) + (
         2 * 4 * (gate_up_scale.size + down_scale.size) if quant and quant[0] else 0)
