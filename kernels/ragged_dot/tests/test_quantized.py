@@ -204,3 +204,68 @@ def test_bad_scales_block_sizes_and_array_types(load_kernel):
 
     with pytest.raises(TypeError, match="gate_up_proj is a .*QArray: pass its quantized values as gate_up_proj and its scales as gate_up_scale"):
         call(QArray(), dn, gate_up_scale=gus, down_scale=dns)
+
+
+# --------------------------------------------------------------------------- MXFP4 (GPT-OSS)
+
+FP4 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def quantize_mxfp4(w):
+    """[E, N, K] -> (blocks [E, N, K/2] uint8, low nibble = even input; scales [E, N, K/32] uint8 e8m0):
+    OCP MX, shared exponent floor(log2(amax)) - 2, nearest e2m1 value (by table lookup)."""
+    e, n, k = w.shape
+    x = w.reshape(e, n, k // 32, 32)
+    amax = np.abs(x).max(-1, keepdims=True)
+    exp = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 1e-30))) - 2, -127).clip(-127, 127)
+    codes = np.abs(x / np.exp2(exp))[..., None] - FP4[:8]
+    codes = np.abs(codes).argmin(-1) | ((x < 0) << 3)
+    codes = codes.reshape(e, n, k // 2, 2).astype(np.uint8)
+    return (codes[..., 0] | (codes[..., 1] << 4)).astype(np.uint8), (exp[..., 0] + 127).astype(np.uint8)
+
+
+def dequantize_mxfp4(blocks, scales):
+    e, n, half = blocks.shape
+    vals = np.stack([FP4[blocks & 15], FP4[blocks >> 4]], -1).reshape(e, n, half * 2)
+    return vals * np.repeat(np.exp2(scales.astype(np.float32) - 127), 32, axis=2)
+
+
+def gpt_oss_reference(x, idx, w, gate_up, gu_bias, down, dn_bias, dtype, alpha=1.702, limit=7.0):
+    """GPT-OSS's experts, token by token: interleaved gate/up rows, biases, clamped swiglu."""
+    rd = lambda a: np.asarray(jnp.asarray(a).astype(dtype).astype(jnp.float32))  # noqa: E731
+    gate_up, down, gu_bias, dn_bias, x = rd(gate_up), rd(down), rd(gu_bias), rd(dn_bias), rd(x)
+    out = np.zeros(x.shape, np.float32)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            ex = int(idx[t, j])
+            if ex >= gate_up.shape[0]:
+                continue
+            gu = gate_up[ex] @ x[t] + gu_bias[ex]
+            gate, up = np.minimum(gu[0::2], limit), np.clip(gu[1::2], -limit, limit)
+            h = rd((up + 1) * gate / (1 + np.exp(-alpha * gate)))
+            out[t] += float(w[t, j]) * rd(down[ex] @ h + dn_bias[ex])
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mxfp4_gpt_oss_experts_match_dequantized_reference(load_kernel, dtype):
+    """MXFP4 blocks/scales as GPT-OSS stores them (H = 96 and I = 64: off the 128 grid), an expert with no
+    tokens, 11 tokens, a sentinel: the two-kernel path against NumPy's table-lookup dequantization."""
+    k = load_kernel("ragged_dot")
+    rng = np.random.default_rng(10)
+    e, h, i, t = 4, 96, 64, 11
+    gate_up = rng.standard_normal((e, 2 * i, h)).astype(np.float32) * 0.3
+    down = rng.standard_normal((e, h, i)).astype(np.float32) * 0.3
+    (gub, gus), (dnb, dns) = quantize_mxfp4(gate_up), quantize_mxfp4(down)
+    gu_bias, dn_bias = (rng.standard_normal(s).astype(np.float32) * 0.1 for s in ((e, 2 * i), (e, h)))
+    idx, w = routing(t, e, 2, empty={2}, seed=11)
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    with interpret("fast"):
+        out = k.experts.experts(jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(w, dtype), jnp.asarray(gub),
+                                jnp.asarray(dnb), jnp.asarray(gu_bias, dtype), jnp.asarray(dn_bias, dtype),
+                                activation="swiglu_oai", interleaved=True, gate_up_scale=jnp.asarray(gus),
+                                down_scale=jnp.asarray(dns))
+    ref = gpt_oss_reference(x, idx, np.asarray(jnp.asarray(w, dtype).astype(jnp.float32)), dequantize_mxfp4(gub, gus),
+                            gu_bias, dequantize_mxfp4(dnb, dns), dn_bias, dtype)
+    tol = 2e-5 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=tol, atol=tol * np.abs(ref).max())

@@ -47,9 +47,9 @@ def validate_scales(gate_up_proj, down_proj, gate_up_scale, down_scale, is_trans
     if not quantized:
         return
     wdt = dtype_name(gate_up_proj)
-    if is_transposed or interleaved:
-        raise NotImplementedError("quantized experts: only transformers' [E, 2I, H] / [E, H, I] layout with "
-                                  "concatenated [gate; up] (is_transposed=False, interleaved=False)")
+    if is_transposed or (interleaved and wdt != "uint8"):
+        raise NotImplementedError("quantized experts: only transformers' [E, 2I, H] / [E, H, I] layout "
+                                  "(is_transposed=False), with concatenated [gate; up] for fp8 and int8")
     if wdt == "float8_e4m3fn" and block_size != pallas.FP8_BLOCK:
         raise ValueError(f"block_size must be {pallas.FP8_BLOCK} (128x128 blocks, the layout of Qwen3-FP8 and "
                          f"DeepSeek-V3 checkpoints), got {block_size}")
@@ -60,10 +60,17 @@ def validate_scales(gate_up_proj, down_proj, gate_up_scale, down_scale, is_trans
     if wdt == "float8_e4m3fn":  # gate_up: of the concatenated tensor, or gate and up quantized apart
         gu_shapes = {(e, cdiv(i2), cdiv(h)), (e, max(2 * cdiv(i), 2), cdiv(h))}
         dn_shapes = {(e, cdiv(h), cdiv(i))}
+    elif wdt == "uint8":  # MXFP4: h and i are the packed widths (2 values per byte), 16 bytes per scale
+        if h % 16 or i % 16:
+            raise ValueError(f"MXFP4 weights need whole 32-value blocks: gate_up_proj {tuple(gate_up_proj.shape)} "
+                             f"and down_proj {tuple(down_proj.shape)} must have packed input widths that are "
+                             "multiples of 16 bytes")
+        gu_shapes, dn_shapes = {(e, i2, h // 16)}, {(e, down_proj.shape[1], i // 16)}
     else:
         gu_shapes, dn_shapes = {(e, i2)}, {(e, h)}
+    scale_dtype = "uint8" if wdt == "uint8" else "float32"
     for name, scale, shapes in (("gate_up_scale", gate_up_scale, gu_shapes), ("down_scale", down_scale, dn_shapes)):
-        check_array(name, scale, dtypes=("float32",), ndim=len(next(iter(shapes))))
+        check_array(name, scale, dtypes=(scale_dtype,), ndim=len(next(iter(shapes))))
         if tuple(scale.shape) not in shapes:
             want = " or ".join(str(list(x)) for x in sorted(shapes))
             raise ValueError(f"{name} must be {want} for {wdt} weights of shape {tuple(gate_up_proj.shape)} / "
@@ -93,11 +100,12 @@ def validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
         raise ValueError(f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} "
                          f"must both be [num_tokens={t}, top_k]")
     e = gate_up_proj.shape[0]
+    pack = 2 if dtype_name(gate_up_proj) == "uint8" else 1  # MXFP4: two inputs per byte
     # [E, 2I, H] / [E, H, I] (transformers' default), or [E, H, 2I] / [E, I, H] when is_transposed
     gu_in, gu_out = (gate_up_proj.shape[1], gate_up_proj.shape[2]) if is_transposed else \
-        (gate_up_proj.shape[2], gate_up_proj.shape[1])
+        (gate_up_proj.shape[2] * pack, gate_up_proj.shape[1])
     dn_in, dn_out = (down_proj.shape[1], down_proj.shape[2]) if is_transposed else \
-        (down_proj.shape[2], down_proj.shape[1])
+        (down_proj.shape[2] * pack, down_proj.shape[1])
     if gu_in != h or dn_out != h:
         raise ValueError(f"hidden size mismatch: hidden_states has {h}, gate_up_proj {tuple(gate_up_proj.shape)} "
                          f"and down_proj {tuple(down_proj.shape)} (is_transposed={is_transposed})")
@@ -133,6 +141,8 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
     Quantized weights (transformers' [E, 2I, H] / [E, H, I] layout) come with their scales:
     float8_e4m3fn with f32 ``*_scale`` = transformers' ``*_scale_inv`` per ``block_size`` (128) x 128
     block, [E, ceil(out/128), ceil(in/128)]; int8 with f32 per-output-channel scales [E, out].
+    MXFP4 (GPT-OSS) as uint8: weights [E, 2I, H/2] / [E, H, I/2] (the checkpoint's ``*_blocks`` with
+    the last two dims merged), uint8 e8m0 scales [E, 2I, H/32] / [E, H, I/32] (``*_scales``).
     They are dequantized in VMEM (w * scale, rounded to hidden_states' dtype, as transformers'
     dequantizing load does) and the matmuls run in hidden_states' dtype.
     """
@@ -162,7 +172,7 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
         y = tokamax_anchor.ragged_dot(inter, down_proj, group_sizes, rhs_transposed=transposed, out_dtype=wdt)
         valid = (jnp.arange(x.shape[0]) < group_sizes.sum())[:, None]
         y = jnp.where(valid, y, 0)  # tokamax leaves rows past sum(group_sizes) uninitialised
-    elif not interleaved and pallas.fused_moe_tiling(x.shape[0], h, down_proj.shape[2] if transposed else down_proj.shape[1],
+    elif not interleaved and not pallas.is_mxfp4(gate_up_proj) and pallas.fused_moe_tiling(x.shape[0], h, down_proj.shape[2] if transposed else down_proj.shape[1],
                                  in_dtype=wdt, out_dtype=wdt, transposed=transposed, interleaved=interleaved,
                                  w_dtype=gate_up_proj.dtype):
         # the whole expert MLP in one kernel: the intermediate never leaves VMEM. (GPT-OSS's

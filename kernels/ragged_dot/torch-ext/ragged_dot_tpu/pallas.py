@@ -44,6 +44,8 @@ ACTIVATIONS = ("none", "silu", "gelu_tanh", "swiglu_oai")
 QUANT_DTYPES = {
     "float8_e4m3fn": "float32 scale_inv per 128x128 block, [E, ceil(out/128), ceil(in/128)] (transformers' FP8)",
     "int8": "float32 scale per output channel, [E, out]",
+    "uint8": "MXFP4 (GPT-OSS): weights are e2m1 pairs [E, out, in/2] (low nibble first), scales uint8 e8m0 "
+             "per 32 inputs [E, out, in/32]",
 }
 FP8_BLOCK = 128
 
@@ -209,6 +211,33 @@ def _activate(gate, up, activation: str, alpha: float, limit: float):
 
 # --------------------------------------------------------------------------- quantized weights
 
+def is_mxfp4(w) -> bool:
+    """uint8 weights: MXFP4 blocks, two e2m1 values per byte, one power-of-two scale per 32 values."""
+    return jnp.dtype(w.dtype) == jnp.uint8
+
+
+def _e2m1(code):
+    """e2m1 codes (int32 0..15: sign, 2 exponent bits, 1 mantissa bit) -> f32 (0, 0.5, 1, 1.5, 2, 3, 4, 6)."""
+    e, m = (code >> 1) & 3, (code & 1).astype(jnp.float32)
+    mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * jnp.where(e == 1, 1.0, jnp.where(e == 2, 2.0, 4.0)))
+    return jnp.where(code >= 8, -mag, mag)
+
+
+def _dequantize_mxfp4(lo_ref, hi_ref, w_ref, s_ref, step: int = 256):
+    """lo = even inputs, hi = odd inputs of MXFP4 weights (w_ref [rows, k/2] uint8, s_ref [rows, k/32]
+    uint8 e8m0): decoded on int32 (8-bit shifts do not lower on TPU), scaled by 2^(s - 127) built
+    from its exponent bits, in dst's dtype. Splitting by parity keeps lanes in place (no interleave);
+    the kernel multiplies them with the lhs's even and odd columns."""
+    rows_total, half = w_ref.shape
+    for r in range(0, rows_total, step):
+        rows = min(step, rows_total - r)
+        b = w_ref[r:r + rows, :].astype(jnp.int32)
+        scale = lax.bitcast_convert_type(s_ref[r:r + rows, :].astype(jnp.int32) << 23, jnp.float32)
+        scale = jnp.broadcast_to(scale[:, :, None], (rows, half // 16, 16)).reshape(rows, half)
+        lo_ref[r:r + rows, :] = (_e2m1(b & 15) * scale).astype(lo_ref.dtype)
+        hi_ref[r:r + rows, :] = (_e2m1(b >> 4) * scale).astype(hi_ref.dtype)
+
+
 def per_channel(w) -> bool:
     """int8 weights: one scale per output channel, applied to the matmul's output columns (the weights
     convert exactly to bf16), so the scales stay [E, out] (lane-dense); fp8: 128x128 block scales,
@@ -271,7 +300,10 @@ def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
                 tm, tn, num_groups, transposed, activation, interleaved, alpha, limit, has_bias, quant):
     del fetch_tile  # index maps only
     n_w = 2 if activation != "none" and not interleaved else 1
-    lhs_ref, w_refs = refs[0], refs[1:1 + n_w]
+    mxfp4 = quant is not None and quant[0] == "mxfp4"
+    n_x = 2 if mxfp4 else 1  # MXFP4: the lhs's even and odd columns, for the weights' two nibbles
+    lhs_refs, w_refs = refs[:n_x], refs[n_x:n_x + n_w]
+    refs = refs[n_x - 1:]  # as if there were one lhs
     b_refs = refs[1 + n_w:1 + 2 * n_w] if has_bias else ()
     i = pl.program_id(1)
     grp, tile = item_group[i], item_tile[i]
@@ -280,12 +312,17 @@ def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
     if quant is None:
         out_ref = refs[-1]
     else:  # dequantize each new weight block once into VMEM scratch; the MXU sees the compute dtype
-        channel, starts = quant
-        s_ref, out_ref, deq_refs = refs[-2 - n_w], refs[-1 - n_w], refs[-n_w:]
+        kind, starts = quant
+        channel = kind == "channel"
+        n_d = 2 * n_w if mxfp4 else n_w  # MXFP4: each weight dequantizes into even- and odd-input halves
+        s_ref, out_ref, deq_refs = refs[-2 - n_d], refs[-1 - n_d], refs[-n_d:]
         j = pl.program_id(0)
 
         @pl.when(_new_weights(fetch_group, i))
         def _dequant():
+            if mxfp4:
+                _dequantize_mxfp4(deq_refs[0], deq_refs[1], w_refs[0], s_ref)
+                return
             for w, d, (b0, off) in zip(w_refs, deq_refs, starts):
                 # tn is a block multiple when there are several n tiles (no traced floor division:
                 # Mosaic lowers its sign fix-up by asking the runtime for the chip, none when compiling AOT)
@@ -299,9 +336,12 @@ def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
 
     @pl.when(grp < num_groups)
     def _compute():
-        x = lhs_ref[...]
         dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
-        ys = [lax.dot_general(x, w[...], dims, preferred_element_type=jnp.float32) for w in w_refs]
+        if mxfp4:  # even inputs x even weights + odd x odd
+            ys = [sum(lax.dot_general(x[...], w[...], dims, preferred_element_type=jnp.float32)
+                      for x, w in zip(lhs_refs, w_refs))]
+        else:
+            ys = [lax.dot_general(lhs_refs[0][...], w[...], dims, preferred_element_type=jnp.float32) for w in w_refs]
         ys = [y if cs is None else y * cs() for y, cs in zip(ys, col_scales)]
         if has_bias:
             ys = [y + b[...].astype(jnp.float32) for y, b in zip(ys, b_refs)]
@@ -328,8 +368,9 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
     gated ``activation`` the weight's n holds [gate; up] halves (or, ``interleaved``, gate and up in
     alternate columns, GPT-OSS) and the output is n/2 wide: act(lhs @ gate) * (lhs @ up).
     ``bias`` [g, n] is added to the f32 accumulator first. ``rhs_scale``: rhs is quantized
-    (``QUANT_DTYPES``, transposed, not interleaved) and is dequantized in VMEM to lhs's dtype,
-    once per weight block (HBM moves the quantized bytes and the scales only).
+    (``QUANT_DTYPES``, transposed; fp8 and int8 not interleaved) and is dequantized in VMEM to lhs's
+    dtype, once per weight block (HBM moves the quantized bytes and the scales only). MXFP4 rhs
+    [g, n, k/2] takes one weight block per step (plain, or interleaved gate/up).
     No validation here: ``ragged_dot`` and the experts op validate their inputs.
     """
     m, k = lhs.shape
@@ -365,20 +406,27 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
     def b_map(shift):
         return lambda j, i, off, ig, it, fg, ft: (fg[i], 0, j + shift)
 
-    w_block = (None, wn, k) if transposed else (None, k, wn)
-    in_specs = [pl.BlockSpec((tm, k), lhs_map)]
+    mxfp4 = rhs_scale is not None and is_mxfp4(rhs)
+    kw = k // 2 if mxfp4 else k  # MXFP4: the lhs is passed as its even and odd columns, k/2 each
+    w_block = (None, wn, kw) if transposed else (None, kw, wn)
+    in_specs = [pl.BlockSpec((tm, kw), lhs_map) for _ in range(2 if mxfp4 else 1)]
     in_specs += [pl.BlockSpec(w_block, w_map(s * up_off)) for s in range(n_w)]
-    operands = [lhs] + [rhs] * n_w
+    operands = ([lhs[:, 0::2], lhs[:, 1::2]] if mxfp4 else [lhs]) + [rhs] * n_w
     if bias is not None:
         in_specs += [pl.BlockSpec((None, 1, wn), b_map(s * up_off)) for s in range(n_w)]
         operands += [bias.reshape(g, 1, n_full)] * n_w
     out_spec = pl.BlockSpec((tm, tn), lambda j, i, off, ig, it, fg, ft: (it[i], j))
     quant, scratch = None, []
     if rhs_scale is not None:
-        if not transposed or interleaved:
-            raise NotImplementedError("quantized weights: only the [g, n, k] layout with [gate; up] halves")
+        if not transposed or (interleaved and not mxfp4) or (mxfp4 and n_w != 1):
+            raise NotImplementedError("quantized weights: only the [g, n, k] layout, with [gate; up] halves "
+                                      "(fp8, int8) or one weight block per step (MXFP4)")
         channel = per_channel(rhs)
-        if channel:  # [g, n_full] whole in VMEM (a few MiB at most), the group's row read per tile
+        if mxfp4:  # e8m0 scales per 32 inputs: blocked like the weight rows
+            starts = [(0, 0)]
+            scales = rhs_scale
+            in_specs.append(pl.BlockSpec(w_block[:2] + (rhs_scale.shape[2],), w_map(0)))
+        elif channel:  # [g, n_full] whole in VMEM (a few MiB at most), the group's row read per tile
             starts = [(0, 0)] + ([(n, 0)] if n_w == 2 else [])
             need_cols = max(off + tiles_n * tn for off, _ in starts)
             scales = rhs_scale if need_cols <= n_full else jnp.pad(rhs_scale, ((0, 0), (0, need_cols - n_full)))
@@ -391,14 +439,14 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
             scales = rhs_scale if need_blocks <= rhs_scale.shape[1] else jnp.pad(  # last n tile overhangs
                 rhs_scale, ((0, 0), (0, need_blocks - rhs_scale.shape[1]), (0, 0)))
             in_specs.append(pl.BlockSpec((None,) + scales.shape[1:], lambda j, i, off, ig, it, fg, ft: (fg[i], 0, 0)))
-        quant = (channel, tuple(starts))
-        operands.append(scales)  # f32 (validated by the experts op)
-        scratch = [pltpu.VMEM((wn, k), lhs.dtype) for _ in range(n_w)]
+        quant = ("mxfp4" if mxfp4 else "channel" if channel else "block", tuple(starts))
+        operands.append(scales)  # f32 (uint8 for MXFP4), validated by the experts op
+        scratch = [pltpu.VMEM((wn, kw), lhs.dtype) for _ in range(2 * n_w if mxfp4 else n_w)]
 
     inb, outb = lhs.dtype.itemsize, out_dtype.itemsize
     if vmem_limit_bytes is None:
         need = gmm_vmem_bytes(tm, tn, k, inb, outb, 2 if gated else 1, quantized=quant is not None) + (
-            4 * tm * wn * 4 if interleaved else 0) + (2 * operands[-1].size * 4 if quant and quant[0] else 0)
+            4 * tm * wn * 4 if interleaved else 0) + (2 * operands[-1].size * 4 if quant and quant[0] == "channel" else 0)
         vmem_limit_bytes = int(min(max(need * 1.25 + 4 * MiB, 32 * MiB), _chip(chip).vmem_bytes * 0.9))
     kernel = functools.partial(_gmm_kernel, tm=tm, tn=tn, num_groups=g, transposed=transposed, activation=activation,
                                interleaved=interleaved, alpha=float(alpha), limit=float(limit),
