@@ -80,3 +80,90 @@ def from_pretrained_fp8(model_class, path, **kwargs):
         model = model_class.from_pretrained(path, **kwargs)
     dequantize_fp8_linears(model)
     return model
+
+
+# --------------------------------------------------------------------------- MXFP4 (GPT-OSS)
+
+def _packed_mxfp4_experts_class():
+    """GPT-OSS experts holding the checkpoint's MXFP4 tensors as stored (parameter names = checkpoint keys,
+    so they load 1:1): ``*_blocks`` uint8 [E, out, in/32, 16] (two e2m1 values per byte, low nibble first),
+    ``*_scales`` uint8 e8m0 [E, out, in/32], and the biases. transformers' ``Mxfp4GptOssExperts`` holds the same
+    but is not dispatched through ``ALL_EXPERTS_FUNCTIONS`` (its forward is the CUDA Triton kernel); this class
+    is, so ``experts_implementation="tokamax_ragged_dot"`` runs it."""
+    import torch
+    from transformers.integrations.moe import use_experts_implementation
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    @use_experts_implementation(is_concatenated=False, is_transposed=False, has_bias=True)
+    class PackedMxfp4GptOssExperts(torch.nn.Module):
+        _apply_gate = GptOssExperts._apply_gate  # GPT-OSS's clamped swiglu on interleaved gate/up
+
+        def __init__(self, config):
+            super().__init__()
+            e, h, i = config.num_local_experts, config.hidden_size, config.intermediate_size
+            if h % 32 or i % 32:
+                raise ValueError(f"MXFP4 experts need hidden_size and intermediate_size divisible by 32, got {h}, {i}")
+            self.num_experts, self.hidden_size, self.intermediate_size = e, h, i
+            u8 = lambda *shape: torch.nn.Parameter(torch.zeros(*shape, dtype=torch.uint8), requires_grad=False)  # noqa: E731
+            self.gate_up_proj_blocks, self.gate_up_proj_scales = u8(e, 2 * i, h // 32, 16), u8(e, 2 * i, h // 32)
+            self.gate_up_proj_bias = torch.nn.Parameter(torch.zeros(e, 2 * i))
+            self.down_proj_blocks, self.down_proj_scales = u8(e, h, i // 32, 16), u8(e, h, i // 32)
+            self.down_proj_bias = torch.nn.Parameter(torch.zeros(e, h))
+            self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):  # "eager": there is none for packed weights
+            raise NotImplementedError("PackedMxfp4GptOssExperts runs through an experts_implementation that reads "
+                                      "MXFP4 blocks (e.g. 'tokamax_ragged_dot')")
+
+    return PackedMxfp4GptOssExperts
+
+
+def _keep_mxfp4_quantizer():
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    from transformers.quantizers.quantizer_mxfp4 import Mxfp4HfQuantizer
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    packed = _packed_mxfp4_experts_class()
+
+    class KeepMxfp4Quantizer(Mxfp4HfQuantizer):
+        """transformers' MXFP4 quantizer keeping the checkpoint's blocks and scales: no environment checks (they only
+        decide to dequantize, or to fetch CUDA's Triton kernels), GPT-OSS's experts swapped for
+        PackedMxfp4GptOssExperts before loading, and no conversion (the keys are the parameters' names)."""
+
+        def validate_environment(self, *args, **kwargs):
+            if not self.pre_quantized:
+                raise ValueError("from_pretrained_mxfp4 loads pre-quantized MXFP4 checkpoints; quantizing on the "
+                                 "fly is not supported on this host")
+            self.quantization_config.dequantize = False
+
+        def _process_model_before_weight_loading(self, model, **kwargs):
+            import torch
+
+            self.modules_to_not_convert = self.get_modules_to_not_convert(
+                model, self.quantization_config.modules_to_not_convert, model._keep_in_fp32_modules)
+            for name, module in list(model.named_modules()):
+                if isinstance(module, GptOssExperts) and should_convert_module(name, self.modules_to_not_convert):
+                    with torch.device("meta"):
+                        model.set_submodule(name, packed(model.config))
+
+        def param_needs_quantization(self, *args, **kwargs):
+            return False
+
+        def get_load_operations(self):
+            return {}
+
+        def _process_model_after_weight_loading(self, model, **kwargs):
+            return model
+
+    return KeepMxfp4Quantizer
+
+
+def from_pretrained_mxfp4(model_class, path, **kwargs):
+    """``model_class.from_pretrained(path, **kwargs)`` for an MXFP4 GPT-OSS checkpoint with the experts' blocks and
+    scales kept as stored (``PackedMxfp4GptOssExperts``; select ``experts_implementation="tokamax_ragged_dot"``).
+    transformers 5.24 otherwise dequantizes them on any host without CUDA/XPU Triton kernels (and needs
+    accelerate). Needs no accelerate and no GPU."""
+    from unittest import mock
+
+    with mock.patch.dict("transformers.quantizers.auto.AUTO_QUANTIZER_MAPPING", {"mxfp4": _keep_mxfp4_quantizer()}):
+        return model_class.from_pretrained(path, **kwargs)

@@ -272,6 +272,18 @@ def fp8_scales(module) -> tuple[torch.Tensor, torch.Tensor, int]:
     return module.gate_up_proj_scale_inv, module.down_proj_scale_inv, int(block[0])
 
 
+def expert_weights(module):
+    """(gate_up, down, gate_up_scale, down_scale, block size) the op takes from a transformers experts module:
+    plain weights; FP8Experts' e4m3 weights and ``*_scale_inv``; MXFP4 ``*_blocks`` (last two dims merged, a
+    view) and ``*_scales`` (pallas_hub's PackedMxfp4GptOssExperts)."""
+    if hasattr(module, "gate_up_proj_blocks"):
+        return (module.gate_up_proj_blocks.flatten(2), module.down_proj_blocks.flatten(2), module.gate_up_proj_scales,
+                module.down_proj_scales, pallas.FP8_BLOCK)
+    if is_fp8_experts(module):
+        return (module.gate_up_proj, module.down_proj) + fp8_scales(module)
+    return module.gate_up_proj, module.down_proj, None, None, pallas.FP8_BLOCK
+
+
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor, implementation: str = "pallas") -> torch.Tensor:
     """transformers' experts function (same contract as grouped_mm_experts_forward), one op call.
@@ -279,8 +291,8 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
     Also registered in ``ALL_FP8_EXPERTS_FUNCTIONS``: for FP8Experts it passes the e4m3 weights and
     their ``*_scale_inv`` block scales as stored (dequantized in VMEM, activations not quantized)."""
     activation, alpha, limit, interleaved = activation_of(self)
-    gate_up_scale, down_scale, block = fp8_scales(self) if is_fp8_experts(self) else (None, None, pallas.FP8_BLOCK)
-    num_experts = self.gate_up_proj.shape[0]
+    gate_up, down, gate_up_scale, down_scale, block = expert_weights(self)
+    num_experts = gate_up.shape[0]
     if top_k_index.device.type == "cpu" and top_k_index.numel():  # host values: check them (no sync)
         lo, hi = int(top_k_index.min()), int(top_k_index.max())
         if lo < 0 or (hi >= num_experts and not getattr(self, "_is_expert_parallel", False)):
@@ -294,7 +306,7 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         top_k_weights = torch.nn.functional.pad(top_k_weights, (0, 0, 0, pad))
     has_bias = getattr(self, "has_bias", False)
     out = experts_op(
-        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+        hidden_states, top_k_index, top_k_weights, gate_up, down,
         self.gate_up_proj_bias if has_bias else None, self.down_proj_bias if has_bias else None,
         activation, alpha, limit, bool(getattr(self, "is_transposed", False)), interleaved, implementation,
         gate_up_scale, down_scale, block)

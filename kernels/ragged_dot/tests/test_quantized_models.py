@@ -1,7 +1,8 @@
-"""Tiny pre-quantized FP8 checkpoints (Qwen3-MoE, DeepSeek-V3) built here, loaded with
-pallas_hub.hub.quantized.from_pretrained_fp8 (experts kept e4m3) and run with experts_implementation=
-"tokamax_ragged_dot" from the package's REGISTRATIONS, against the same weights dequantized into a plain
-checkpoint run with transformers' grouped_mm."""
+"""Tiny pre-quantized checkpoints built here, run with experts_implementation="tokamax_ragged_dot" from the
+package's REGISTRATIONS: FP8 (Qwen3-MoE, DeepSeek-V3) loaded with pallas_hub.hub.quantized.from_pretrained_fp8
+(experts kept e4m3) against the same weights dequantized into a plain checkpoint under transformers'
+grouped_mm; MXFP4 GPT-OSS loaded with from_pretrained_mxfp4 (blocks kept) against transformers' own
+dequantizing load."""
 
 import copy
 import json
@@ -13,7 +14,7 @@ import torch
 import transformers as T
 from safetensors.torch import load_file, save_file
 
-from pallas_hub.hub.quantized import from_pretrained_fp8
+from pallas_hub.hub.quantized import from_pretrained_fp8, from_pretrained_mxfp4
 from pallas_hub.hub.register import register
 
 B = 128
@@ -174,3 +175,74 @@ def test_on_the_fly_quantization_is_refused(tmp_path):
     M, _, deq_dir = checkpoints("qwen3_moe", tmp_path)
     with pytest.raises(ValueError, match="pre-quantized FP8 checkpoints"):
         from_pretrained_fp8(M, deq_dir, quantization_config=T.FineGrainedFP8Config())
+
+
+# --------------------------------------------------------------------------- MXFP4 (GPT-OSS)
+
+FP4 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6])
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": [
+    "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+
+
+def quantize_mxfp4(w):
+    """[E, out, in] -> blocks uint8 [E, out, in/32, 16] (low nibble = even input), scales uint8 e8m0 [E, out, in/32]."""
+    e, n, k = w.shape
+    x = w.float().reshape(e, n, k // 32, 32)
+    amax = x.abs().amax(-1, keepdim=True)
+    exp = torch.where(amax > 0, torch.floor(torch.log2(amax.clamp(min=1e-30))) - 2, torch.full_like(amax, -127.0))
+    code = ((x / torch.exp2(exp)).abs()[..., None] - FP4).abs().argmin(-1) | ((x < 0).long() << 3)
+    code = code.to(torch.uint8).reshape(e, n, k // 32, 16, 2)
+    return (code[..., 0] | (code[..., 1] << 4)).contiguous(), (exp[..., 0] + 127).to(torch.uint8).contiguous()
+
+
+def test_mxfp4_gpt_oss_matches_transformers_dequantized(registered, tmp_path):
+    """f32: logits within 1e-4 of transformers' dequantizing load (Mxfp4Config(dequantize=True), eager experts),
+    identical greedy tokens; bf16: as close to those f32 logits as transformers' in bf16. The experts hold the
+    checkpoint's blocks and scales byte for byte; they have no other forward, and every MoE layer ran ours."""
+    cfg = T.GptOssConfig(vocab_size=256, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4,
+                         num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"], sliding_window=16,
+                         pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = T.GptOssForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn_like(p) * 0.05 if p.ndim >= 2 else
+                    torch.ones_like(p) if "norm" in name else 0.01 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "plain")
+    tensors = {}
+    for key, t in load_file(tmp_path / "plain" / "model.safetensors").items():
+        if key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):  # [E, in, out] -> [E, out, in]
+            tensors[key + "_blocks"], tensors[key + "_scales"] = quantize_mxfp4(t.transpose(1, 2))
+        else:
+            tensors[key] = t
+    (tmp_path / "mxfp4").mkdir()
+    save_file(tensors, tmp_path / "mxfp4" / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    (tmp_path / "mxfp4" / "config.json").write_text(json.dumps({**config, "quantization_config": MXFP4_CONFIG}))
+
+    M, path = T.GptOssForCausalLM, tmp_path / "mxfp4"
+    ids = torch.randint(3, 256, (2, 9), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = M.from_pretrained(path, dtype=torch.float32, experts_implementation="eager",
+                                quantization_config=T.Mxfp4Config(dequantize=True)).eval()
+        ours = from_pretrained_mxfp4(M, path, dtype=torch.float32, experts_implementation="tokamax_ragged_dot").eval()
+        experts = [m for m in ours.modules() if hasattr(m, "gate_up_proj_blocks")]
+        assert len(experts) == 2 and torch.equal(experts[0].gate_up_proj_blocks,
+                                                 tensors["model.layers.0.mlp.experts.gate_up_proj_blocks"])
+        assert torch.equal(experts[1].down_proj_scales, tensors["model.layers.1.mlp.experts.down_proj_scales"])
+        CALLS.clear()
+        truth, got = ref(input_ids=ids).logits, ours(input_ids=ids).logits
+        assert CALLS == ["PackedMxfp4GptOssExperts"] * 2, CALLS
+        err = (truth - got).abs().max().item()
+        print(f"gpt_oss mxfp4 f32: max |dlogits| {err:.3g}")
+        assert err <= 1e-4, f"gpt_oss mxfp4 f32: max |dlogits| = {err:.3g}"
+        assert torch.equal(ref.generate(input_ids=ids, **kw), ours.generate(input_ids=ids, **kw))
+        ref16 = M.from_pretrained(path, dtype=torch.bfloat16, experts_implementation="eager",
+                                  quantization_config=T.Mxfp4Config(dequantize=True)).eval()
+        ours16 = from_pretrained_mxfp4(M, path, dtype=torch.bfloat16, experts_implementation="tokamax_ragged_dot").eval()
+        e_ref = (ref16(input_ids=ids).logits.float() - truth).abs().max().item()
+        e_ours = (ours16(input_ids=ids).logits.float() - truth).abs().max().item()
+        print(f"gpt_oss mxfp4 bf16: from the f32 logits, ours {e_ours:.3g}, transformers {e_ref:.3g}")
+        assert e_ours <= 1.25 * e_ref + 4e-3, f"gpt_oss bf16: ours {e_ours:.3g} vs transformers {e_ref:.3g}"
