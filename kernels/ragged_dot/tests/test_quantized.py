@@ -190,7 +190,7 @@ def test_bad_scales_block_sizes_and_array_types(load_kernel):
         call(gu, dn, gate_up_scale=gus, down_scale=dns, block_size=64)
     with pytest.raises(TypeError, match="gate_up_scale is given but gate_up_proj has dtype float32"):
         call(gu.astype(jnp.float32), dn.astype(jnp.float32), gate_up_scale=gus, down_scale=dns)
-    with pytest.raises(TypeError, match="gate_up_proj must have dtype one of .*float8_e4m3fn, int8, got float8_e5m2"):
+    with pytest.raises(TypeError, match="gate_up_proj must have dtype one of .*float8_e4m3fn, int8, uint8, got float8_e5m2"):
         call(gu.astype(jnp.float8_e5m2), dn.astype(jnp.float8_e5m2), gate_up_scale=gus, down_scale=dns)
     with pytest.raises(TypeError, match="down_proj must have dtype int8, got float8_e4m3fn"):
         call(gu.astype(jnp.int8), dn, gate_up_scale=gus, down_scale=dns)
@@ -198,6 +198,18 @@ def test_bad_scales_block_sizes_and_array_types(load_kernel):
         call(jnp.swapaxes(gu, 1, 2), jnp.swapaxes(dn, 1, 2), gate_up_scale=gus, down_scale=dns, is_transposed=True)
     with pytest.raises(ValueError, match=r"down_scale must have 2 dimensions, got shape \(4, 2, 1\)"):
         call(gu.astype(jnp.int8), dn.astype(jnp.int8), gate_up_scale=jnp.zeros((e, 2 * i)), down_scale=dns)
+
+    # MXFP4: packed [E, 2I, H/2] / [E, H, I/2] uint8 with uint8 e8m0 scales per 32 inputs
+    gu4, dn4 = jnp.zeros((e, 2 * i, h // 2), jnp.uint8), jnp.zeros((e, h, i // 2), jnp.uint8)
+    gus4, dns4 = jnp.zeros((e, 2 * i, h // 32), jnp.uint8), jnp.zeros((e, h, i // 32), jnp.uint8)
+    call(gu4, dn4, gate_up_scale=gus4, down_scale=dns4, interleaved=True)  # fine
+    with pytest.raises(TypeError, match="down_scale must have dtype uint8, got float32"):
+        call(gu4, dn4, gate_up_scale=gus4, down_scale=dns4.astype(jnp.float32))
+    with pytest.raises(ValueError, match=r"gate_up_scale must be \[4, 256, 8\] for uint8"):
+        call(gu4, dn4, gate_up_scale=gus4[:, :, :4], down_scale=dns4)
+    with pytest.raises(ValueError, match="MXFP4 weights need whole 32-value blocks"):  # H = 240: 7.5 blocks
+        X.validate(jnp.zeros((t, 240)), idx, w, gu4[:, :, :120], jnp.zeros((e, 240, i // 2), jnp.uint8),
+                   gate_up_scale=gus4, down_scale=dns4, interleaved=True)
 
     class QArray:  # an array-like quantized wrapper (e.g. qwix): refused by name, not deep in pallas_call
         shape, dtype, qvalue = gu.shape, gu.dtype, gu

@@ -1,4 +1,5 @@
-"""Loading block-wise FP8 checkpoints (Qwen3-*-FP8, DeepSeek-V3) on TorchTPU or CPU with the experts kept quantized.
+"""Loading quantized checkpoints on TorchTPU or CPU with the experts kept quantized: block-wise FP8 (Qwen3-*-FP8,
+DeepSeek-V3; ``from_pretrained_fp8``) and GPT-OSS's MXFP4 (``from_pretrained_mxfp4``, see its docstring).
 
 transformers 5.24's FP8 quantizer (``FineGrainedFP8HfQuantizer.validate_environment``) needs accelerate and, on a
 host without CUDA or XPU (TorchTPU's device is ``tpu``), turns a pre-quantized checkpoint into a bf16 model: the
