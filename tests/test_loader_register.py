@@ -53,6 +53,24 @@ def test_register_and_undo_restores_every_registry():
     assert _snapshot() == before
 
 
+def test_fp8_experts_registry_is_transformers_fp8_registry():
+    """'fp8_experts' fills ALL_FP8_EXPERTS_FUNCTIONS (what FP8Experts dispatches through), under the same
+    name as 'experts'; undo restores both; FP8's built-ins are refused."""
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+
+    fp8 = type(ALL_FP8_EXPERTS_FUNCTIONS)._global_mapping
+    before = _snapshot(), dict(fp8)
+    m = _module([{"registry": "experts", "name": "double_experts", "function": "experts_forward"},
+                 {"registry": "fp8_experts", "name": "double_experts", "function": "experts_forward"}])
+    with register(m) as reg:
+        assert fp8["double_experts"] is EXPERTS["double_experts"] is m.experts_forward
+        assert ALL_FP8_EXPERTS_FUNCTIONS["double_experts"] is m.experts_forward
+        assert reg.names("fp8_experts") == ["double_experts"]
+    assert (_snapshot(), dict(fp8)) == before
+    with pytest.raises(RegistrationError, match="'deepgemm_megamoe' is a transformers built-in"):
+        register(_module([{"registry": "fp8_experts", "name": "deepgemm_megamoe", "function": "experts_forward"}]))
+
+
 @pytest.mark.parametrize("entry, message", [
     ({"registry": "kv_cache", "name": "x", "function": "experts_forward"}, "needs 'registry'"),
     ({"registry": "experts", "name": "x", "function": "missing"}, "is not a callable of the package"),

@@ -93,6 +93,30 @@ def test_experts_forward_as_transformers_calls_it(rd, on_tpu, family, index_dtyp
         assert launch.params[1].shape == (8, 2)  # the bucket
 
 
+def test_fp8_experts_forward(rd, on_tpu):
+    """transformers' FP8Experts (e4m3 weights, fp32 128x128 block scale_inv) on `tpu`: the quantized tensors
+    reach the launch as they are (no dequantized copy on the device)."""
+    import transformers
+    from transformers.integrations.finegrained_fp8 import FP8Experts
+
+    cfg = transformers.Qwen3MoeConfig(hidden_size=256, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with on_tpu.mode, torch.device("tpu"):
+            experts = FP8Experts(cfg, block_size=[128, 128])
+    finally:
+        torch.set_default_dtype(default)
+    hidden = on_tpu.empty(5, 256)
+    top_k_index, top_k_weights = on_tpu.empty(5, 2, dtype=torch.int64), on_tpu.empty(5, 2, dtype=torch.float32)
+    out = on_tpu(rd, lambda: rd.experts_forward(experts, hidden, top_k_index, top_k_weights))
+    assert (out.device.type, tuple(out.shape), out.dtype) == ("tpu", (5, 256), torch.bfloat16)
+    if on_tpu.kind == "eager":
+        (launch,) = on_tpu.checker.launches
+        assert [p.dtype for p in launch.params[3:5]] == [torch.float8_e4m3fn] * 2
+        assert [tuple(p.shape) for p in launch.params if p.dtype == torch.float32][-2:] == [(8, 2, 2), (8, 2, 1)]
+
+
 def test_our_fakes_equal_torch_tpus_fakes_at_qwen3_30b_a3b_shapes(rd):
     """Our pure-torch fakes (what torch.compile and torch.export use) against torch_tpu's own, which
     export the kernel for TPU: same output shapes, dtypes and device. One Qwen3-30B-A3B experts layer

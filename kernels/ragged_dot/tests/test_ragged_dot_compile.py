@@ -13,6 +13,8 @@ SUBSET = {  # config name -> chips
     "gemma4-26b-a4b experts T=1 (bucket 8)": ("v6e",),
     "gpt-oss-20b experts T=64": ("tpu7x",),
     "qwen3-30b-a3b experts EP=8 T=64": ("v6e",),
+    "qwen3-30b-a3b fp8 experts T=64 (bucket 64)": ("tpu7x",),
+    "deepseek-v3 fp8 experts T=64": ("v6e",),
     "forced tile_n=4096 at k=16384 (VMEM overflow)": ("v6e",),
 }
 

@@ -4,12 +4,16 @@ Each kernel package has a module-level ``REGISTRATIONS`` list, e.g.::
 
     REGISTRATIONS = [
         {"registry": "experts", "name": "tokamax_ragged_dot", "function": "experts_forward"},
+        {"registry": "fp8_experts", "name": "tokamax_ragged_dot", "function": "experts_forward"},
         {"registry": "attention", "name": "pallas_attention", "function": "attention_forward", "mask": "sdpa"},
         {"registry": "paged_attention", "name": "pallas_paged_flash", "function": "paged_attention_forward",
          "mask": "flash_attention_2"},
     ]
 
 * ``experts``: ``ALL_EXPERTS_FUNCTIONS`` (select with ``experts_implementation=name``).
+* ``fp8_experts``: ``ALL_FP8_EXPERTS_FUNCTIONS``, which transformers consults instead for FP8Experts (FP8
+  checkpoints kept quantized), with the same contract and selected by the same ``experts_implementation``:
+  a name only in ``experts`` raises a KeyError on an FP8 model, so a kernel serving both declares both.
 * ``attention``: ``AttentionInterface`` and, with ``mask``, ``AttentionMaskInterface`` (a function of the
   kernel or a transformers mask name such as ``"sdpa"``). Select with ``attn_implementation=name``.
 * ``paged_attention``: the continuous-batching path. transformers 5.24 lets ``generate_batch`` use only
@@ -28,10 +32,12 @@ import dataclasses
 import re
 from typing import Callable
 
-REGISTRIES = ("experts", "attention", "paged_attention")
+REGISTRIES = ("experts", "fp8_experts", "attention", "paged_attention")
+EXPERTS_REGISTRIES = ("experts", "fp8_experts")
 # transformers 5.24's own implementations: a kernel may add names, never replace these
 BUILTINS = {
     "experts": {"eager", "grouped_mm", "batched_mm", "deepgemm", "sonicmoe"},
+    "fp8_experts": {"eager", "grouped_mm", "batched_mm", "deepgemm", "deepgemm_megamoe"},
     "attention": {"eager", "sdpa", "flex_attention", "paged|eager", "flash_attention_2", "flash_attention_3",
                   "flash_attention_4"},
 }
@@ -98,7 +104,7 @@ def _put(registration: Registration, mapping: dict, key: str, value) -> None:
 def _check_name(registry: str, name: str) -> None:
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.\-|]+", name):
         raise RegistrationError(f"{registry}: name must be a non-empty identifier-like string, got {name!r}")
-    if name in BUILTINS["experts" if registry == "experts" else "attention"]:
+    if name in BUILTINS[registry if registry in EXPERTS_REGISTRIES else "attention"]:
         raise RegistrationError(f"{registry}: {name!r} is a transformers built-in; a kernel may not replace it")
     if registry == "attention" and any(s in name for s in ("flash", "sdpa", "flex_attention", "paged|")):
         raise RegistrationError(f"attention: name {name!r} must not contain 'flash', 'sdpa', 'flex_attention' or "
@@ -115,6 +121,7 @@ def register(module, kernel: str | None = None) -> Registration:
     """
     import transformers.modeling_flash_attention_utils as fa_utils
     from transformers import AttentionInterface
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
@@ -122,7 +129,8 @@ def register(module, kernel: str | None = None) -> Registration:
     declared = getattr(module, "REGISTRATIONS", None)
     if not isinstance(declared, list):
         raise RegistrationError(f"{kernel}: the package declares no REGISTRATIONS list")
-    experts = type(ALL_EXPERTS_FUNCTIONS)._global_mapping
+    experts = {"experts": type(ALL_EXPERTS_FUNCTIONS)._global_mapping,
+               "fp8_experts": type(ALL_FP8_EXPERTS_FUNCTIONS)._global_mapping}
     attention = AttentionInterface._global_mapping
     masks = type(ALL_MASK_ATTENTION_FUNCTIONS)._global_mapping
     plan = []
@@ -141,7 +149,7 @@ def register(module, kernel: str | None = None) -> Registration:
         mask = entry.get("mask")
         mask_fn = None
         if mask is not None:
-            if registry == "experts":
+            if registry in EXPERTS_REGISTRIES:
                 raise RegistrationError(f"{where}: 'mask' applies to attention registries only")
             mask_fn = masks[mask] if mask in masks else getattr(module, mask, None)
             if not callable(mask_fn):
@@ -151,8 +159,8 @@ def register(module, kernel: str | None = None) -> Registration:
 
     reg = Registration()
     for record, fn, mask_fn in plan:
-        if record.registry == "experts":
-            _put(reg, experts, record.name, fn)
+        if record.registry in EXPERTS_REGISTRIES:
+            _put(reg, experts[record.registry], record.name, fn)
         else:
             _put(reg, attention, record.name, fn)
             if mask_fn is not None:

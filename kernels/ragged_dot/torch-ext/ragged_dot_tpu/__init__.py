@@ -3,7 +3,8 @@
 * ``ragged_dot(lhs, rhs, group_sizes, rhs_transposed=False, out_dtype="", tile_m=0, tile_n=0)``:
   a torch op (autograd: d lhs and d rhs), the JAX function is ``pallas.ragged_dot``.
 * ``experts_forward``: transformers' experts contract in one op; register it with
-  ``ALL_EXPERTS_FUNCTIONS.register("tokamax_ragged_dot", experts_forward)``.
+  ``ALL_EXPERTS_FUNCTIONS.register("tokamax_ragged_dot", experts_forward)`` and, for FP8 checkpoints
+  kept quantized (FP8Experts), ``ALL_FP8_EXPERTS_FUNCTIONS.register("tokamax_ragged_dot", experts_forward)``.
 * ``layers.MegaBlocksMoeMLP``: GPT-OSS's MoE block for kernels' ``kernelize`` / transformers' ``use_kernels``.
 """
 
@@ -43,5 +44,9 @@ def _backward(ctx, dout):
 
 ragged_dot.register_autograd(_backward, setup_context=_setup_context)
 
-REGISTRATIONS = [{"registry": "experts", "name": "tokamax_ragged_dot", "function": "experts_forward"}]
+REGISTRATIONS = [
+    {"registry": "experts", "name": "tokamax_ragged_dot", "function": "experts_forward"},
+    # transformers dispatches FP8Experts through its own registry; the same name must be in both
+    {"registry": "fp8_experts", "name": "tokamax_ragged_dot", "function": "experts_forward"},
+]
 __all__ = ["ragged_dot", "experts_forward", "experts", "layers", "pallas", "REGISTRATIONS"]

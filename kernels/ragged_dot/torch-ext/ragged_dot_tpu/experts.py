@@ -33,13 +33,63 @@ def bucket(num_tokens: int) -> int:
 
 # --------------------------------------------------------------------------- the JAX function
 
+def validate_scales(gate_up_proj, down_proj, gate_up_scale, down_scale, is_transposed=False, interleaved=False,
+                    block_size=pallas.FP8_BLOCK):
+    """Quantized expert weights: their dtype, layout, block size and scales (shapes and dtypes)."""
+    quantized = dtype_name(gate_up_proj) in pallas.QUANT_DTYPES
+    for name, scale in (("gate_up_scale", gate_up_scale), ("down_scale", down_scale)):
+        if scale is not None and not quantized:
+            raise TypeError(f"{name} is given but gate_up_proj has dtype {dtype_name(gate_up_proj)}; scales go with "
+                            f"quantized weights ({', '.join(pallas.QUANT_DTYPES)})")
+        if scale is None and quantized:
+            raise ValueError(f"{name} is missing: {dtype_name(gate_up_proj)} weights need their scales "
+                             f"({pallas.QUANT_DTYPES[dtype_name(gate_up_proj)]})")
+    if not quantized:
+        return
+    wdt = dtype_name(gate_up_proj)
+    if is_transposed or (interleaved and wdt != "uint8"):
+        raise NotImplementedError("quantized experts: only transformers' [E, 2I, H] / [E, H, I] layout "
+                                  "(is_transposed=False), with concatenated [gate; up] for fp8 and int8")
+    if wdt == "float8_e4m3fn" and block_size != pallas.FP8_BLOCK:
+        raise ValueError(f"block_size must be {pallas.FP8_BLOCK} (128x128 blocks, the layout of Qwen3-FP8 and "
+                         f"DeepSeek-V3 checkpoints), got {block_size}")
+    e, i2, h = gate_up_proj.shape
+    i = down_proj.shape[2]
+    b = pallas.FP8_BLOCK
+    cdiv = lambda a: -(-a // b)  # noqa: E731
+    if wdt == "float8_e4m3fn":  # gate_up: of the concatenated tensor, or gate and up quantized apart
+        gu_shapes = {(e, cdiv(i2), cdiv(h)), (e, max(2 * cdiv(i), 2), cdiv(h))}
+        dn_shapes = {(e, cdiv(h), cdiv(i))}
+    elif wdt == "uint8":  # MXFP4: h and i are the packed widths (2 values per byte), 16 bytes per scale
+        if h % 16 or i % 16:
+            raise ValueError(f"MXFP4 weights need whole 32-value blocks: gate_up_proj {tuple(gate_up_proj.shape)} "
+                             f"and down_proj {tuple(down_proj.shape)} must have packed input widths that are "
+                             "multiples of 16 bytes")
+        gu_shapes, dn_shapes = {(e, i2, h // 16)}, {(e, down_proj.shape[1], i // 16)}
+    else:
+        gu_shapes, dn_shapes = {(e, i2)}, {(e, h)}
+    scale_dtype = "uint8" if wdt == "uint8" else "float32"
+    for name, scale, shapes in (("gate_up_scale", gate_up_scale, gu_shapes), ("down_scale", down_scale, dn_shapes)):
+        check_array(name, scale, dtypes=(scale_dtype,), ndim=len(next(iter(shapes))))
+        if tuple(scale.shape) not in shapes:
+            want = " or ".join(str(list(x)) for x in sorted(shapes))
+            raise ValueError(f"{name} must be {want} for {wdt} weights of shape {tuple(gate_up_proj.shape)} / "
+                             f"{tuple(down_proj.shape)} ({pallas.QUANT_DTYPES[wdt]}), got {list(scale.shape)}")
+
+
 def validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias=None,
              down_bias=None, activation="silu", alpha=1.702, limit=7.0, is_transposed=False,
-             interleaved=False, implementation="pallas"):
+             interleaved=False, implementation="pallas", gate_up_scale=None, down_scale=None,
+             block_size=pallas.FP8_BLOCK):
     check_array("hidden_states", hidden_states, dtypes=pallas.DTYPES, ndim=2)
     check_array("top_k_index", top_k_index, dtypes=("int32", "int64"), ndim=2)
     check_array("top_k_weights", top_k_weights, dtypes=pallas.DTYPES, ndim=2)
-    check_array("gate_up_proj", gate_up_proj, dtypes=pallas.DTYPES, ndim=3)
+    for name, w in (("gate_up_proj", gate_up_proj), ("down_proj", down_proj)):
+        if hasattr(w, "qvalue"):  # an array-like quantized wrapper (qwix QArray): say what the op takes instead
+            raise TypeError(f"{name} is a {type(w).__module__.split('.')[0]} {type(w).__name__}: pass its quantized "
+                            f"values as {name} and its scales as {name.removesuffix('_proj')}_scale "
+                            f"({'; '.join(f'{k}: {v}' for k, v in pallas.QUANT_DTYPES.items())})")
+    check_array("gate_up_proj", gate_up_proj, dtypes=pallas.DTYPES + tuple(pallas.QUANT_DTYPES), ndim=3)
     check_array("down_proj", down_proj, dtypes=(dtype_name(gate_up_proj),), ndim=3)
     if activation not in pallas.ACTIVATIONS[1:]:
         raise ValueError(f"activation must be one of {pallas.ACTIVATIONS[1:]}, got {activation!r}")
@@ -50,11 +100,12 @@ def validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
         raise ValueError(f"top_k_index {tuple(top_k_index.shape)} and top_k_weights {tuple(top_k_weights.shape)} "
                          f"must both be [num_tokens={t}, top_k]")
     e = gate_up_proj.shape[0]
+    pack = 2 if dtype_name(gate_up_proj) == "uint8" else 1  # MXFP4: two inputs per byte
     # [E, 2I, H] / [E, H, I] (transformers' default), or [E, H, 2I] / [E, I, H] when is_transposed
     gu_in, gu_out = (gate_up_proj.shape[1], gate_up_proj.shape[2]) if is_transposed else \
-        (gate_up_proj.shape[2], gate_up_proj.shape[1])
+        (gate_up_proj.shape[2] * pack, gate_up_proj.shape[1])
     dn_in, dn_out = (down_proj.shape[1], down_proj.shape[2]) if is_transposed else \
-        (down_proj.shape[2], down_proj.shape[1])
+        (down_proj.shape[2] * pack, down_proj.shape[1])
     if gu_in != h or dn_out != h:
         raise ValueError(f"hidden size mismatch: hidden_states has {h}, gate_up_proj {tuple(gate_up_proj.shape)} "
                          f"and down_proj {tuple(down_proj.shape)} (is_transposed={is_transposed})")
@@ -71,27 +122,41 @@ def validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
                 raise ValueError(f"{name} must be [{e}, {width}], got {tuple(b.shape)}")
     if implementation == "tokamax" and (gate_up_bias is not None or interleaved):
         raise NotImplementedError("implementation='tokamax' supports concatenated experts without bias only")
+    validate_scales(gate_up_proj, down_proj, gate_up_scale, down_scale, is_transposed, interleaved, block_size)
+    if implementation == "tokamax" and gate_up_scale is not None:
+        raise NotImplementedError("implementation='tokamax' takes unquantized weights only")
 
 
 def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array, gate_up_proj: jax.Array,
             down_proj: jax.Array, gate_up_bias: jax.Array | None = None, down_bias: jax.Array | None = None,
             activation: str = "silu", alpha: float = 1.702, limit: float = 7.0, is_transposed: bool = False,
-            interleaved: bool = False, implementation: str = "pallas") -> jax.Array:
+            interleaved: bool = False, implementation: str = "pallas", gate_up_scale: jax.Array | None = None,
+            down_scale: jax.Array | None = None, block_size: int = pallas.FP8_BLOCK) -> jax.Array:
     """The whole experts computation of one MoE layer (see the module docstring), in JAX.
 
     Mirrors transformers' grouped_mm numerics: the intermediate and the down output are in the
     weights' dtype, the routing weights multiply in the promoted dtype, top-k sums in f32.
     No tokens, top_k = 0 or no (local) experts: zeros [T, H], no kernel runs.
+
+    Quantized weights (transformers' [E, 2I, H] / [E, H, I] layout) come with their scales:
+    float8_e4m3fn with f32 ``*_scale`` = transformers' ``*_scale_inv`` per ``block_size`` (128) x 128
+    block, [E, ceil(out/128), ceil(in/128)]; int8 with f32 per-output-channel scales [E, out].
+    MXFP4 (GPT-OSS) as uint8: weights [E, 2I, H/2] / [E, H, I/2] (the checkpoint's ``*_blocks`` with
+    the last two dims merged), uint8 e8m0 scales [E, 2I, H/32] / [E, H, I/32] (``*_scales``).
+    They are dequantized in VMEM (w * scale, rounded to hidden_states' dtype, as transformers'
+    dequantizing load does) and the matmuls run in hidden_states' dtype.
     """
     validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_bias, down_bias, activation,
-             alpha, limit, is_transposed, interleaved, implementation)  # JAX callers get the op's errors
+             alpha, limit, is_transposed, interleaved, implementation, gate_up_scale, down_scale,
+             block_size)  # JAX callers get the op's errors
     TRACES["experts"] += 1
     t, h = hidden_states.shape
     k = top_k_index.shape[1]
     e = gate_up_proj.shape[0]
     if t * k * e * h == 0:  # nothing routed anywhere: every output row is an empty sum
         return jnp.zeros((t, h), hidden_states.dtype)
-    wdt = gate_up_proj.dtype
+    quantized = gate_up_scale is not None
+    wdt = hidden_states.dtype if quantized else gate_up_proj.dtype  # compute dtype
     ids = top_k_index.reshape(-1).astype(jnp.int32)
     key = jnp.where((ids >= 0) & (ids < e), ids, e)  # sentinels (and padding) sort past every group
     order = jnp.argsort(key, stable=True)
@@ -107,24 +172,28 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
         y = tokamax_anchor.ragged_dot(inter, down_proj, group_sizes, rhs_transposed=transposed, out_dtype=wdt)
         valid = (jnp.arange(x.shape[0]) < group_sizes.sum())[:, None]
         y = jnp.where(valid, y, 0)  # tokamax leaves rows past sum(group_sizes) uninitialised
-    elif not interleaved and pallas.fused_moe_tiling(x.shape[0], h, down_proj.shape[2] if transposed else down_proj.shape[1],
-                                 in_dtype=wdt, out_dtype=wdt, transposed=transposed, interleaved=interleaved):
+    elif not interleaved and not pallas.is_mxfp4(gate_up_proj) and pallas.fused_moe_tiling(x.shape[0], h, down_proj.shape[2] if transposed else down_proj.shape[1],
+                                 in_dtype=wdt, out_dtype=wdt, transposed=transposed, interleaved=interleaved,
+                                 w_dtype=gate_up_proj.dtype):
         # the whole expert MLP in one kernel: the intermediate never leaves VMEM. (GPT-OSS's
         # interleaved layout takes the two-kernel path: XLA:CPU's interpreter rejects one of its
         # bf16 dots inside this kernel, "DotThunk ... BF16 x BF16 = F32", so it is not verified.)
         down, down_t = down_proj, transposed
-        if transposed and down_proj.shape[2] % 128 and h % 128 == 0:
+        if transposed and down_proj.shape[2] % 128 and h % 128 == 0 and not quantized:
             # TPU's default layout of [E, H, I] with I off the 128-lane grid is minor-to-major
             # {1,2,0}, i.e. physically [E, I, H]: take that view (a layout bitcast, no copy) rather
             # than have XLA relayout the whole weight for the kernel (Gemma-4: I = 704).
             down, down_t = jnp.swapaxes(down_proj, 1, 2), False
         y = pallas.fused_moe(x, gate_up_proj, down, group_sizes, transposed=transposed, activation=activation,
                              interleaved=interleaved, alpha=alpha, limit=limit, gate_up_bias=gate_up_bias,
-                             down_bias=down_bias, out_dtype=wdt, down_transposed=down_t)
+                             down_bias=down_bias, out_dtype=wdt, down_transposed=down_t,
+                             gate_up_scale=gate_up_scale, down_scale=down_scale)
     else:  # experts too large for VMEM whole (e.g. GPT-OSS-20B on TPU7x): two grouped matmuls
         inter = pallas.gmm(x, gate_up_proj, group_sizes, transposed=transposed, activation=activation,
-                           interleaved=interleaved, alpha=alpha, limit=limit, bias=gate_up_bias, out_dtype=wdt)
-        y = pallas.gmm(inter, down_proj, group_sizes, transposed=transposed, bias=down_bias, out_dtype=wdt)
+                           interleaved=interleaved, alpha=alpha, limit=limit, bias=gate_up_bias, out_dtype=wdt,
+                           rhs_scale=gate_up_scale)
+        y = pallas.gmm(inter, down_proj, group_sizes, transposed=transposed, bias=down_bias, out_dtype=wdt,
+                       rhs_scale=down_scale)
     # unsort by gathering each (token, k) row back, weight in the promoted dtype (as grouped_mm),
     # sum over k in f32: one XLA fusion reading y once, no [S, H] temporary
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
@@ -153,6 +222,12 @@ def activation_of(module) -> tuple[str, float, float, bool]:
     interleaved = not getattr(module, "is_concatenated", True)
     gate_fn = getattr(type(module), "_apply_gate", None)
     default_gate = getattr(gate_fn, "__name__", "") == "_default_apply_gate"
+    if is_fp8_experts(module):  # FP8Experts' own _apply_gate: act_fn(gate) * up unless one of these is set
+        variants = {a: getattr(module, a, None) for a in ("gate_softcap", "swiglu_alpha", "limit")}
+        if any(v is not None for v in variants.values()):
+            raise NotImplementedError(f"{name}: FP8 experts with {variants} (softcapped or clamped SwiGLU) are not "
+                                      "supported by ragged-dot-tpu")
+        default_gate = True
     if hasattr(module, "alpha") and hasattr(module, "limit") and not default_gate:
         # GPT-OSS: clamp gate above and up both ways, (up + 1) * gate * sigmoid(alpha * gate)
         if "GptOss" not in name and "gpt_oss" not in type(module).__module__:
@@ -176,11 +251,48 @@ def activation_of(module) -> tuple[str, float, float, bool]:
         "supported: SiLU ('silu'/'swish'), GELU-tanh ('gelu_pytorch_tanh'/'gelu_new'/'gelu_fast'), GPT-OSS swiglu")
 
 
+def is_fp8_experts(module) -> bool:
+    """transformers' FP8Experts (finegrained FP8): weights with ``*_scale_inv`` beside them."""
+    return hasattr(module, "gate_up_proj_scale_inv") or hasattr(module, "up_proj_scale_inv")
+
+
+def fp8_scales(module) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(gate_up_proj_scale_inv, down_proj_scale_inv, block size) of an FP8Experts module, or a clear error
+    for what the kernel does not take."""
+    name = type(module).__name__
+    if dtype_name(module.gate_up_proj) != "float8_e4m3fn":
+        raise NotImplementedError(f"{name}: expert weights of dtype {dtype_name(module.gate_up_proj)} (e.g. FP4-packed "
+                                  "expert_dtype='fp4') are not supported by ragged-dot-tpu; float8_e4m3fn is")
+    if getattr(module, "activation_scheme", "dynamic") != "dynamic":
+        raise NotImplementedError(f"{name}: activation_scheme={module.activation_scheme!r} (static activation scales) "
+                                  "is not supported by ragged-dot-tpu; 'dynamic' is")
+    block = getattr(module, "block_size", None)
+    if block is None or len(block) != 2 or block[0] != block[1]:
+        raise ValueError(f"{name}: block_size must be [128, 128] (block-wise FP8 scales), got {block!r}")
+    return module.gate_up_proj_scale_inv, module.down_proj_scale_inv, int(block[0])
+
+
+def expert_weights(module):
+    """(gate_up, down, gate_up_scale, down_scale, block size) the op takes from a transformers experts module:
+    plain weights; FP8Experts' e4m3 weights and ``*_scale_inv``; MXFP4 ``*_blocks`` (last two dims merged, a
+    view) and ``*_scales`` (pallas_hub's PackedMxfp4GptOssExperts)."""
+    if hasattr(module, "gate_up_proj_blocks"):
+        return (module.gate_up_proj_blocks.flatten(2), module.down_proj_blocks.flatten(2), module.gate_up_proj_scales,
+                module.down_proj_scales, pallas.FP8_BLOCK)
+    if is_fp8_experts(module):
+        return (module.gate_up_proj, module.down_proj) + fp8_scales(module)
+    return module.gate_up_proj, module.down_proj, None, None, pallas.FP8_BLOCK
+
+
 def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor, implementation: str = "pallas") -> torch.Tensor:
-    """transformers' experts function (same contract as grouped_mm_experts_forward), one op call."""
+    """transformers' experts function (same contract as grouped_mm_experts_forward), one op call.
+
+    Also registered in ``ALL_FP8_EXPERTS_FUNCTIONS``: for FP8Experts it passes the e4m3 weights and
+    their ``*_scale_inv`` block scales as stored (dequantized in VMEM, activations not quantized)."""
     activation, alpha, limit, interleaved = activation_of(self)
-    num_experts = self.gate_up_proj.shape[0]
+    gate_up, down, gate_up_scale, down_scale, block = expert_weights(self)
+    num_experts = gate_up.shape[0]
     if top_k_index.device.type == "cpu" and top_k_index.numel():  # host values: check them (no sync)
         lo, hi = int(top_k_index.min()), int(top_k_index.max())
         if lo < 0 or (hi >= num_experts and not getattr(self, "_is_expert_parallel", False)):
@@ -194,9 +306,10 @@ def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor
         top_k_weights = torch.nn.functional.pad(top_k_weights, (0, 0, 0, pad))
     has_bias = getattr(self, "has_bias", False)
     out = experts_op(
-        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
+        hidden_states, top_k_index, top_k_weights, gate_up, down,
         self.gate_up_proj_bias if has_bias else None, self.down_proj_bias if has_bias else None,
-        activation, alpha, limit, bool(getattr(self, "is_transposed", False)), interleaved, implementation)
+        activation, alpha, limit, bool(getattr(self, "is_transposed", False)), interleaved, implementation,
+        gate_up_scale, down_scale, block)
     return out[:t] if pad else out
 
 

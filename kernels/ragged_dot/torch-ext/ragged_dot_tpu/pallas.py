@@ -40,6 +40,14 @@ DTYPES = ("float32", "bfloat16")
 # group sizes: every integer dtype, as jax.lax.ragged_dot (values travel as int32)
 SIZE_DTYPES = ("int32", "int64", "uint32", "uint64", "int16", "uint16", "int8", "uint8")
 ACTIVATIONS = ("none", "silu", "gelu_tanh", "swiglu_oai")
+# quantized expert weights (transformers' [E, out, in] layout): weight dtype -> what its scale holds
+QUANT_DTYPES = {
+    "float8_e4m3fn": "float32 scale_inv per 128x128 block, [E, ceil(out/128), ceil(in/128)] (transformers' FP8)",
+    "int8": "float32 scale per output channel, [E, out]",
+    "uint8": "MXFP4 (GPT-OSS): weights are e2m1 pairs [E, out, in/2] (low nibble first), scales uint8 e8m0 "
+             "per 32 inputs [E, out, in/32]",
+}
+FP8_BLOCK = 128
 
 
 # --------------------------------------------------------------------------- chips and tiling
@@ -72,10 +80,13 @@ def _round_up(x: int, r: int) -> int:
     return -(-x // r) * r
 
 
-def gmm_vmem_bytes(tm: int, tn: int, k: int, in_bytes: int, out_bytes: int, n_weights: int = 1) -> int:
-    """VMEM a gmm step needs: double-buffered lhs, weight and output blocks plus f32 temporaries."""
+def gmm_vmem_bytes(tm: int, tn: int, k: int, in_bytes: int, out_bytes: int, n_weights: int = 1,
+                   quantized: bool = False) -> int:
+    """VMEM a gmm step needs: double-buffered lhs, weight and output blocks plus f32 temporaries.
+    Quantized weights (1 byte, double-buffered, plus their dequantized copy in ``in_bytes``) take
+    about what in_bytes weights double-buffered take; add the f32 temporaries of dequantizing."""
     return (2 * tm * k * in_bytes + 2 * n_weights * k * tn * in_bytes + 2 * tm * tn * out_bytes
-            + (n_weights + 1) * tm * tn * 4 + 4 * n_weights * tn * 4)
+            + (n_weights + 1) * tm * tn * 4 + 4 * n_weights * tn * 4 + (2 * 256 * k * 4 if quantized else 0))
 
 
 def _tn_candidates(n: int, lane_dim: bool, divisors_only: bool = True) -> list[int]:
@@ -91,7 +102,8 @@ def expected_active_groups(m: int, g: int) -> float:
 
 
 def choose_gmm_tiling(m: int, k: int, n: int, g: int, *, in_dtype, out_dtype, chip: str | None = None,
-                      n_weights: int = 1, lane_n: bool = True, divisors_only: bool = True) -> tuple[int, int]:
+                      n_weights: int = 1, lane_n: bool = True, divisors_only: bool = True,
+                      quantized: bool = False) -> tuple[int, int]:
     """(tm, tn) minimising a roofline model of the kernel on ``chip`` (default: the current one).
 
     tn: the widest block whose double-buffered weight slab fits VMEM (all of n when possible, so
@@ -109,7 +121,7 @@ def choose_gmm_tiling(m: int, k: int, n: int, g: int, *, in_dtype, out_dtype, ch
     for tn in _tn_candidates(n, lane_n, divisors_only):
         tiles_n = -(-n // tn)
         for tm in tms:
-            if gmm_vmem_bytes(tm, tn, k, inb, outb, n_weights) > budget:
+            if gmm_vmem_bytes(tm, tn, k, inb, outb, n_weights, quantized) > budget:
                 continue
             items = ga + -(-m // tm) - 1
             steps = tiles_n * items
@@ -197,6 +209,84 @@ def _activate(gate, up, activation: str, alpha: float, limit: float):
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
+# --------------------------------------------------------------------------- quantized weights
+
+def is_mxfp4(w) -> bool:
+    """uint8 weights: MXFP4 blocks, two e2m1 values per byte, one power-of-two scale per 32 values."""
+    return jnp.dtype(w.dtype) == jnp.uint8
+
+
+def _e2m1(code):
+    """e2m1 codes (int32 0..15: sign, 2 exponent bits, 1 mantissa bit) -> f32 (0, 0.5, 1, 1.5, 2, 3, 4, 6)."""
+    e, m = (code >> 1) & 3, (code & 1).astype(jnp.float32)
+    mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * jnp.where(e == 1, 1.0, jnp.where(e == 2, 2.0, 4.0)))
+    return jnp.where(code >= 8, -mag, mag)
+
+
+def _dequantize_mxfp4(lo_ref, hi_ref, w_ref, s_ref, step: int = 256):
+    """lo = even inputs, hi = odd inputs of MXFP4 weights (w_ref [rows, k/2] uint8, s_ref [rows, k/32]
+    uint8 e8m0): decoded on int32 (8-bit shifts do not lower on TPU), scaled by 2^(s - 127) built
+    from its exponent bits, in dst's dtype. Splitting by parity keeps lanes in place (no interleave);
+    the kernel multiplies them with the lhs's even and odd columns."""
+    rows_total, half = w_ref.shape
+    for r in range(0, rows_total, step):
+        rows = min(step, rows_total - r)
+        b = w_ref[r:r + rows, :].astype(jnp.int32)
+        scale = lax.bitcast_convert_type(s_ref[r:r + rows, :].astype(jnp.int32) << 23, jnp.float32)
+        scale = jnp.broadcast_to(scale[:, :, None], (rows, half // 16, 16)).reshape(rows, half)
+        lo_ref[r:r + rows, :] = (_e2m1(b & 15) * scale).astype(lo_ref.dtype)
+        hi_ref[r:r + rows, :] = (_e2m1(b >> 4) * scale).astype(hi_ref.dtype)
+
+
+def per_channel(w) -> bool:
+    """int8 weights: one scale per output channel, applied to the matmul's output columns (the weights
+    convert exactly to bf16), so the scales stay [E, out] (lane-dense); fp8: 128x128 block scales,
+    applied to the weights while dequantizing."""
+    return jnp.dtype(w.dtype) == jnp.int8
+
+
+def gate_up_scale_rows(scale_blocks: int, half: int, block_rows: int) -> tuple[int, int]:
+    """(first scale block row, row offset in it) of the up half, which starts at weight row ``half``.
+
+    A checkpoint quantizes gate and up as separate tensors, so when ``half`` is off the block grid
+    the concatenated scales hold 2 * ceil(half / block) rows (transformers: at least 2) and up
+    starts on a fresh block row; scales of the concatenated tensor (ceil(2 * half / block) rows)
+    put up mid-block. Both agree when ``half`` is a block multiple.
+    """
+    if half % block_rows and scale_blocks == 2 * (-(-half // block_rows)):
+        return -(-half // block_rows), 0
+    return half // block_rows, half % block_rows
+
+
+def _dequantize(dst_ref, w_ref, s_ref, *, block0=0, row_off: int = 0, step: int = 256):
+    """dst = w * scale (in dst's dtype), ``step`` weight rows at a time so the f32 temporaries stay small.
+
+    w_ref [rows, k] quantized; s_ref [row blocks, col blocks] f32, the whole expert's 128x128 grid;
+    weight row r uses scale block row ``block0 + (row_off + r) // 128`` (block0 may be traced). The
+    scale grid is expanded by a 4-D broadcast (lanes and sublanes split on the block grid).
+    ``s_ref`` None (per-channel int8): a plain conversion, the scales apply to the output.
+    """
+    bn = bk = FP8_BLOCK
+    rows_total, k = w_ref.shape
+    for r in range(0, rows_total, step):
+        rows = min(step, rows_total - r)
+        if s_ref is None:
+            dst_ref[r:r + rows, :] = w_ref[r:r + rows, :].astype(dst_ref.dtype)
+            continue
+        kb = s_ref.shape[1]
+        first = row_off + r
+        nb = -(-(first % bn + rows) // bn)
+        s = s_ref[pl.ds(block0 + first // bn, nb), :]
+        full = jnp.broadcast_to(s[:, None, :, None], (nb, bn, kb, bk)).reshape(nb * bn, kb * bk)
+        full = full[first % bn:first % bn + rows, :k]
+        dst_ref[r:r + rows, :] = (w_ref[r:r + rows, :].astype(jnp.float32) * full).astype(dst_ref.dtype)
+
+
+def _new_weights(fetch_group, i):
+    """The weight blocks changed at grid step i (first step, or another group's blocks): dequantize."""
+    return jnp.logical_or(i == 0, fetch_group[i] != fetch_group[jnp.maximum(i - 1, 0)])
+
+
 # --------------------------------------------------------------------------- gmm kernel
 
 def _deinterleave(y):
@@ -207,21 +297,52 @@ def _deinterleave(y):
 
 
 def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
-                tm, num_groups, transposed, activation, interleaved, alpha, limit, has_bias):
-    del fetch_group, fetch_tile  # index maps only
+                tm, tn, num_groups, transposed, activation, interleaved, alpha, limit, has_bias, quant):
+    del fetch_tile  # index maps only
     n_w = 2 if activation != "none" and not interleaved else 1
-    lhs_ref, w_refs = refs[0], refs[1:1 + n_w]
+    mxfp4 = quant is not None and quant[0] == "mxfp4"
+    n_x = 2 if mxfp4 else 1  # MXFP4: the lhs's even and odd columns, for the weights' two nibbles
+    lhs_refs, w_refs = refs[:n_x], refs[n_x:n_x + n_w]
+    refs = refs[n_x - 1:]  # as if there were one lhs
     b_refs = refs[1 + n_w:1 + 2 * n_w] if has_bias else ()
-    out_ref = refs[-1]
     i = pl.program_id(1)
     grp, tile = item_group[i], item_tile[i]
     first = jnp.logical_or(i == 0, item_tile[jnp.maximum(i - 1, 0)] != tile)
+    col_scales = [None] * n_w  # per-channel scales of each weight's output columns in this tile
+    if quant is None:
+        out_ref = refs[-1]
+    else:  # dequantize each new weight block once into VMEM scratch; the MXU sees the compute dtype
+        kind, starts = quant
+        channel = kind == "channel"
+        n_d = 2 * n_w if mxfp4 else n_w  # MXFP4: each weight dequantizes into even- and odd-input halves
+        s_ref, out_ref, deq_refs = refs[-2 - n_d], refs[-1 - n_d], refs[-n_d:]
+        j = pl.program_id(0)
+
+        @pl.when(_new_weights(fetch_group, i))
+        def _dequant():
+            if mxfp4:
+                _dequantize_mxfp4(deq_refs[0], deq_refs[1], w_refs[0], s_ref)
+                return
+            for w, d, (b0, off) in zip(w_refs, deq_refs, starts):
+                # tn is a block multiple when there are several n tiles (no traced floor division:
+                # Mosaic lowers its sign fix-up by asking the runtime for the chip, none when compiling AOT)
+                first_block = j * (tn // FP8_BLOCK) if tn % FP8_BLOCK == 0 else 0
+                _dequantize(d, w, None if channel else s_ref, block0=first_block + b0, row_off=off)
+
+        w_refs = deq_refs
+        if channel:  # starts hold each weight's first output column: 0, and n for up
+            col_scales = [lambda off=off: s_ref[pl.ds(jnp.minimum(grp, num_groups - 1), 1), pl.ds(j * tn + off, tn)]
+                          for off, _ in starts]
 
     @pl.when(grp < num_groups)
     def _compute():
-        x = lhs_ref[...]
         dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
-        ys = [lax.dot_general(x, w[...], dims, preferred_element_type=jnp.float32) for w in w_refs]
+        if mxfp4:  # even inputs x even weights + odd x odd
+            ys = [sum(lax.dot_general(x[...], w[...], dims, preferred_element_type=jnp.float32)
+                      for x, w in zip(lhs_refs, w_refs))]
+        else:
+            ys = [lax.dot_general(lhs_refs[0][...], w[...], dims, preferred_element_type=jnp.float32) for w in w_refs]
+        ys = [y if cs is None else y * cs() for y, cs in zip(ys, col_scales)]
         if has_bias:
             ys = [y + b[...].astype(jnp.float32) for y, b in zip(ys, b_refs)]
         if interleaved:
@@ -239,13 +360,17 @@ def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
 
 def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: int | None = None,
         tn: int | None = None, activation: str = "none", interleaved: bool = False, alpha: float = 1.702,
-        limit: float = 7.0, bias=None, chip: str | None = None, vmem_limit_bytes: int | None = None):
+        limit: float = 7.0, bias=None, rhs_scale=None, chip: str | None = None,
+        vmem_limit_bytes: int | None = None):
     """out[rows of group i] = epilogue(lhs[rows] @ rhs[i]); rows past sum(group_sizes) are 0.
 
     rhs is [g, k, n], or [g, n, k] with ``transposed`` (transformers' layout, used as is). With a
     gated ``activation`` the weight's n holds [gate; up] halves (or, ``interleaved``, gate and up in
     alternate columns, GPT-OSS) and the output is n/2 wide: act(lhs @ gate) * (lhs @ up).
-    ``bias`` [g, n] is added to the f32 accumulator first.
+    ``bias`` [g, n] is added to the f32 accumulator first. ``rhs_scale``: rhs is quantized
+    (``QUANT_DTYPES``, transposed; fp8 and int8 not interleaved) and is dequantized in VMEM to lhs's
+    dtype, once per weight block (HBM moves the quantized bytes and the scales only). MXFP4 rhs
+    [g, n, k/2] takes one weight block per step (plain, or interleaved gate/up).
     No validation here: ``ragged_dot`` and the experts op validate their inputs.
     """
     m, k = lhs.shape
@@ -258,7 +383,7 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
     if tm is None or tn is None:
         ctm, ctn = choose_gmm_tiling(m, k, n, g, in_dtype=lhs.dtype, out_dtype=out_dtype, chip=chip,
                                      n_weights=3 if interleaved else 2 if gated else 1, lane_n=not transposed,
-                                     divisors_only=n_w == 2)
+                                     divisors_only=n_w == 2, quantized=rhs_scale is not None)
         tm, tn = tm or ctm, tn or ctn
         if n_w == 2 and n % tn:
             tn = n
@@ -281,31 +406,62 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
     def b_map(shift):
         return lambda j, i, off, ig, it, fg, ft: (fg[i], 0, j + shift)
 
-    w_block = (None, wn, k) if transposed else (None, k, wn)
-    in_specs = [pl.BlockSpec((tm, k), lhs_map)]
+    mxfp4 = rhs_scale is not None and is_mxfp4(rhs)
+    kw = k // 2 if mxfp4 else k  # MXFP4: the lhs is passed as its even and odd columns, k/2 each
+    w_block = (None, wn, kw) if transposed else (None, kw, wn)
+    in_specs = [pl.BlockSpec((tm, kw), lhs_map) for _ in range(2 if mxfp4 else 1)]
     in_specs += [pl.BlockSpec(w_block, w_map(s * up_off)) for s in range(n_w)]
-    operands = [lhs] + [rhs] * n_w
+    operands = ([lhs[:, 0::2], lhs[:, 1::2]] if mxfp4 else [lhs]) + [rhs] * n_w
     if bias is not None:
         in_specs += [pl.BlockSpec((None, 1, wn), b_map(s * up_off)) for s in range(n_w)]
         operands += [bias.reshape(g, 1, n_full)] * n_w
     out_spec = pl.BlockSpec((tm, tn), lambda j, i, off, ig, it, fg, ft: (it[i], j))
+    quant, scratch = None, []
+    if rhs_scale is not None:
+        if not transposed or (interleaved and not mxfp4) or (mxfp4 and n_w != 1):
+            raise NotImplementedError("quantized weights: only the [g, n, k] layout, with [gate; up] halves "
+                                      "(fp8, int8) or one weight block per step (MXFP4)")
+        channel = per_channel(rhs)
+        if mxfp4:  # e8m0 scales per 32 inputs: blocked like the weight rows
+            starts = [(0, 0)]
+            scales = rhs_scale
+            in_specs.append(pl.BlockSpec(w_block[:2] + (rhs_scale.shape[2],), w_map(0)))
+        elif channel:  # [g, n_full] whole in VMEM (a few MiB at most), the group's row read per tile
+            starts = [(0, 0)] + ([(n, 0)] if n_w == 2 else [])
+            need_cols = max(off + tiles_n * tn for off, _ in starts)
+            scales = rhs_scale if need_cols <= n_full else jnp.pad(rhs_scale, ((0, 0), (0, need_cols - n_full)))
+            in_specs.append(pl.BlockSpec(scales.shape, lambda j, i, off, ig, it, fg, ft: (0, 0)))
+        else:  # [g, n/128, k/128] block grid: the group's whole grid (full dims), sliced per tile in-kernel
+            if tiles_n > 1 and tn % FP8_BLOCK:
+                raise ValueError(f"fp8 weights need tn to be a multiple of {FP8_BLOCK}, got {tn}")
+            starts = [(0, 0)] + ([gate_up_scale_rows(rhs_scale.shape[1], n, FP8_BLOCK)] if n_w == 2 else [])
+            need_blocks = max(b0 + -(-(off + tiles_n * tn) // FP8_BLOCK) for b0, off in starts)
+            scales = rhs_scale if need_blocks <= rhs_scale.shape[1] else jnp.pad(  # last n tile overhangs
+                rhs_scale, ((0, 0), (0, need_blocks - rhs_scale.shape[1]), (0, 0)))
+            in_specs.append(pl.BlockSpec((None,) + scales.shape[1:], lambda j, i, off, ig, it, fg, ft: (fg[i], 0, 0)))
+        quant = ("mxfp4" if mxfp4 else "channel" if channel else "block", tuple(starts))
+        operands.append(scales)  # f32 (uint8 for MXFP4), validated by the experts op
+        scratch = [pltpu.VMEM((wn, kw), lhs.dtype) for _ in range(2 * n_w if mxfp4 else n_w)]
 
     inb, outb = lhs.dtype.itemsize, out_dtype.itemsize
     if vmem_limit_bytes is None:
-        need = gmm_vmem_bytes(tm, tn, k, inb, outb, 2 if gated else 1) + (4 * tm * wn * 4 if interleaved else 0)
+        need = gmm_vmem_bytes(tm, tn, k, inb, outb, 2 if gated else 1, quantized=quant is not None) + (
+            4 * tm * wn * 4 if interleaved else 0) + (2 * operands[-1].size * 4 if quant and quant[0] == "channel" else 0)
         vmem_limit_bytes = int(min(max(need * 1.25 + 4 * MiB, 32 * MiB), _chip(chip).vmem_bytes * 0.9))
-    kernel = functools.partial(_gmm_kernel, tm=tm, num_groups=g, transposed=transposed, activation=activation,
+    kernel = functools.partial(_gmm_kernel, tm=tm, tn=tn, num_groups=g, transposed=transposed, activation=activation,
                                interleaved=interleaved, alpha=float(alpha), limit=float(limit),
-                               has_bias=bias is not None)
+                               has_bias=bias is not None, quant=quant)
+    wb = rhs.dtype.itemsize
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5, grid=(tiles_n, num_items), in_specs=in_specs, out_specs=out_spec),
+            num_scalar_prefetch=5, grid=(tiles_n, num_items), in_specs=in_specs, out_specs=out_spec,
+            scratch_shapes=scratch),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary"),
                                              vmem_limit_bytes=vmem_limit_bytes),
         cost_estimate=pl.CostEstimate(flops=2 * m * k * n_full, transcendentals=0,
-                                      bytes_accessed=g * k * n_full * inb + m * k * inb + m * n * outb),
+                                      bytes_accessed=g * k * n_full * wb + m * k * inb + m * n * outb),
         name="ragged_dot_gmm",
     )(offsets, item_group, item_tile, fetch_group, fetch_tile, *operands)
 
@@ -473,14 +629,33 @@ def reference(lhs, rhs, group_sizes, rhs_transposed=False, out_dtype=None):
 # --------------------------------------------------------------------------- fused expert MLP
 
 def _moe_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, x_ref, *refs, tm, chunk, num_groups,
-                transposed, down_transposed, activation, interleaved, alpha, limit, has_bias):
-    del fetch_group, fetch_tile
+                transposed, down_transposed, activation, interleaved, alpha, limit, has_bias, quant):
+    del fetch_tile
     n_w = 1 if interleaved else 2
     w_refs, d_ref = refs[:n_w], refs[n_w]
     b_refs, db_ref = (refs[n_w + 1:2 * n_w + 1], refs[2 * n_w + 1]) if has_bias else ((), None)
-    out_ref = refs[-1]
     i = pl.program_id(0)
     grp, tile = item_group[i], item_tile[i]
+    col_scales, d_scale = [None, None], None
+    if quant is None:
+        out_ref = refs[-1]
+    else:  # each expert's slabs are dequantized once (first item of the group) into VMEM scratch
+        channel, up_start = quant
+        gs_ref, ds_ref, out_ref = refs[-6:-3]
+        deq_refs = refs[-3:]
+
+        @pl.when(_new_weights(fetch_group, i))
+        def _dequant():
+            for w, dst, (b0, off) in zip(w_refs, deq_refs, [(0, 0), up_start]):
+                _dequantize(dst, w, None if channel else gs_ref, block0=b0, row_off=off)
+            _dequantize(deq_refs[2], d_ref, None if channel else ds_ref)
+
+        w_refs, d_ref = deq_refs[:2], deq_refs[2]
+        if channel:  # per-channel scales multiply the f32 outputs: gate columns [0, I), up [I, 2I), down [0, H)
+            half = d_ref.shape[1]
+            row = lambda ref, off, width: ref[pl.ds(grp, 1), pl.ds(off, width)]  # noqa: E731
+            col_scales = [lambda: row(gs_ref, 0, half), lambda: row(gs_ref, half, half)]
+            d_scale = lambda: row(ds_ref, 0, ds_ref.shape[1])  # noqa: E731
     first = jnp.logical_or(i == 0, item_tile[jnp.maximum(i - 1, 0)] != tile)
     dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
     ddims = (((1,), (1,)), ((), ())) if down_transposed else (((1,), (0,)), ((), ()))
@@ -497,12 +672,15 @@ def _moe_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, x_ref, 
             def _chunk():
                 x = x_ref[rows, :]
                 ys = [lax.dot_general(x, w[...], dims, preferred_element_type=jnp.float32) for w in w_refs]
+                ys = [y if cs is None else y * cs() for y, cs in zip(ys, col_scales)]
                 if has_bias:
                     ys = [y + b[...].astype(jnp.float32) for y, b in zip(ys, b_refs)]
                 if interleaved:
                     ys = _deinterleave(ys[0])
                 h = _activate(ys[0], ys[1], activation, alpha, limit).astype(d_ref.dtype)
                 y = lax.dot_general(h, d_ref[...], ddims, preferred_element_type=jnp.float32)
+                if d_scale is not None:
+                    y = y * d_scale()
                 if has_bias:
                     y = y + db_ref[...].astype(jnp.float32)
                 r = lo + lax.broadcasted_iota(jnp.int32, y.shape, 0)
@@ -519,14 +697,20 @@ def _moe_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, x_ref, 
         out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
 
-def moe_vmem_bytes(tm, chunk, h, i, in_bytes, out_bytes):
-    return (2 * tm * h * in_bytes + 2 * 3 * h * i * in_bytes + 2 * tm * h * out_bytes
-            + chunk * (2 * i + i + h) * 4 * 2 + 8 * (2 * i + h) * 4)
+def moe_vmem_bytes(tm, chunk, h, i, in_bytes, out_bytes, w_bytes=None):
+    """Double-buffered x, weight slabs and output, f32 temporaries; quantized weights (``w_bytes``
+    below ``in_bytes``) add their dequantized copy and the f32 temporaries of dequantizing."""
+    w_bytes = in_bytes if w_bytes is None else w_bytes
+    quant = 3 * h * i * in_bytes + 2 * 256 * max(h, i) * 4 if w_bytes < in_bytes else 0
+    return (2 * tm * h * in_bytes + 2 * 3 * h * i * w_bytes + 2 * tm * h * out_bytes
+            + chunk * (2 * i + i + h) * 4 * 2 + 8 * (2 * i + h) * 4 + quant)
 
 
-def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True, interleaved=False):
+def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True, interleaved=False,
+                     w_dtype=None):
     """(tm, chunk) for the fused expert MLP, or None when it does not fit (then use two gmm calls):
-    each expert's gate, up and down slabs must sit in VMEM whole, double-buffered."""
+    each expert's gate, up and down slabs must sit in VMEM whole, double-buffered (``w_dtype``:
+    quantized weights, also held dequantized)."""
     spec = _chip(chip)
     sub = _sublanes(in_dtype)
     if not transposed and not interleaved and i % 128:
@@ -534,7 +718,8 @@ def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True
     tm = min(512, _round_up(max(m, 1), sub))
     chunk = min(tm, 128)
     budget = int(spec.vmem_bytes * 0.6)  # measured: Gemma-4 26B-A4B experts compile on TPU7x at this budget
-    need = lambda tm: moe_vmem_bytes(tm, chunk, h, i, jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize)  # noqa: E731
+    wb = jnp.dtype(w_dtype or in_dtype).itemsize
+    need = lambda tm: moe_vmem_bytes(tm, chunk, h, i, jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize, wb)  # noqa: E731
     while tm > chunk and need(tm) > budget:
         tm //= 2
     if need(tm) > budget:
@@ -544,13 +729,15 @@ def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True
 
 def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="silu", interleaved=False,
               alpha=1.702, limit=7.0, gate_up_bias=None, down_bias=None, out_dtype=None, tm=None, chunk=None,
-              chip=None, down_transposed=None):
+              chip=None, down_transposed=None, gate_up_scale=None, down_scale=None):
     """down(act(x @ gate) * (x @ up)) per group in ONE kernel: the intermediate never leaves VMEM.
 
     x [m, H] (rows sorted by group), gate_up [g, 2I, H] / down [g, H, I] (``transposed``, the
     transformers layout) or [g, H, 2I] / [g, I, H]; rows past sum(group_sizes) are zero. One grid
     step per (group, m-tile) item; each expert's three weight slabs are fetched once.
     ``down_transposed`` (default: ``transposed``) gives down's layout on its own.
+    ``gate_up_scale`` / ``down_scale``: quantized weights (``QUANT_DTYPES``, transposed layout),
+    dequantized to x's dtype in VMEM once per expert.
     """
     down_transposed = transposed if down_transposed is None else down_transposed
     m, h = x.shape
@@ -559,7 +746,7 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if tm is None or chunk is None:
         tm, chunk = fused_moe_tiling(m, h, i, in_dtype=x.dtype, out_dtype=out_dtype, chip=chip,
-                                     transposed=transposed, interleaved=interleaved)
+                                     transposed=transposed, interleaved=interleaved, w_dtype=gate_up.dtype)
     offsets, item_group, item_tile, fetch_group, fetch_tile, num_items = group_metadata(
         group_sizes, m, tm, visit_empty=False, tail=True)
     imap = lambda f: (lambda it, off, ig, itl, fg, ft: f(it, fg, ft))  # noqa: E731
@@ -577,21 +764,37 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
         in_specs += [pl.BlockSpec((None, 1, bw), imap(lambda it, fg, ft, s=s: (fg[it], 0, s))) for s in range(len(w_specs))]
         in_specs += [pl.BlockSpec((None, 1, h), imap(lambda it, fg, ft: (fg[it], 0, 0)))]
         operands += [gate_up_bias.reshape(g, 1, 2 * i)] * len(w_specs) + [down_bias.reshape(g, 1, h)]
-    need = moe_vmem_bytes(tm, chunk, h, i, x.dtype.itemsize, out_dtype.itemsize)
+    quant, scratch = None, []
+    if gate_up_scale is not None:
+        if not (transposed and down_transposed) or interleaved:
+            raise NotImplementedError("quantized weights: only the [g, 2I, H] / [g, H, I] layout with [gate; up] halves")
+        channel = per_channel(gate_up)
+        if channel:  # [g, 2I] and [g, H] whole in VMEM, the group's row read per item
+            quant = (True, (0, 0))
+            in_specs += [pl.BlockSpec(a.shape, imap(lambda it, fg, ft: (0, 0))) for a in (gate_up_scale, down_scale)]
+        else:  # the group's whole 128x128 block grids
+            quant = (False, gate_up_scale_rows(gate_up_scale.shape[1], i, FP8_BLOCK))
+            in_specs += [pl.BlockSpec((None,) + a.shape[1:], imap(lambda it, fg, ft: (fg[it], 0, 0)))
+                         for a in (gate_up_scale, down_scale)]
+        operands += [gate_up_scale, down_scale]  # f32 (validated by the experts op)
+        scratch = [pltpu.VMEM((i, h), x.dtype), pltpu.VMEM((i, h), x.dtype), pltpu.VMEM((h, i), x.dtype)]
+    need = moe_vmem_bytes(tm, chunk, h, i, x.dtype.itemsize, out_dtype.itemsize, gate_up.dtype.itemsize) + (
+        2 * 4 * (gate_up_scale.size + down_scale.size) if quant and quant[0] else 0)
     kernel = functools.partial(_moe_kernel, tm=tm, chunk=chunk, num_groups=g, transposed=transposed,
                                down_transposed=down_transposed,
                                activation=activation, interleaved=interleaved, alpha=float(alpha),
-                               limit=float(limit), has_bias=gate_up_bias is not None)
+                               limit=float(limit), has_bias=gate_up_bias is not None, quant=quant)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, h), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=5, grid=(num_items,), in_specs=in_specs,
-            out_specs=pl.BlockSpec((tm, h), lambda it, off, ig, itl, fg, ft: (itl[it], 0))),
+            out_specs=pl.BlockSpec((tm, h), lambda it, off, ig, itl, fg, ft: (itl[it], 0)),
+            scratch_shapes=scratch),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),
             vmem_limit_bytes=int(min(max(need * 1.25 + 4 * MiB, 32 * MiB), _chip(chip).vmem_bytes * 0.9))),
         cost_estimate=pl.CostEstimate(flops=2 * m * h * 3 * i, transcendentals=m * i,
-                                      bytes_accessed=g * 3 * h * i * x.dtype.itemsize + m * h * (x.dtype.itemsize + out_dtype.itemsize)),
+                                      bytes_accessed=g * 3 * h * i * gate_up.dtype.itemsize + m * h * (x.dtype.itemsize + out_dtype.itemsize)),
         name="ragged_dot_fused_moe",
     )(offsets, item_group, item_tile, fetch_group, fetch_tile, *operands)

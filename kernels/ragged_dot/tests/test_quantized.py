@@ -1,0 +1,283 @@
+"""Quantized expert weights (fp8 e4m3 with 128x128 block scales as transformers stores them, int8 with
+per-channel scales) in the experts op and gmm, against a plain NumPy dequantize-then-matmul reference;
+bad scales, block sizes and array types."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_hub.verify import interpret
+
+B = 128
+
+
+def quantize_fp8(w):
+    """[E, out, in] f32 -> (e4m3, f32 scale_inv [E, ceil(out/128), ceil(in/128)]), partial edge blocks, as a
+    checkpoint stores them: w ~= e4m3 * scale_inv."""
+    e, n, k = w.shape
+    nb, kb = -(-n // B), -(-k // B)
+    pad = np.zeros((e, nb * B, kb * B), np.float32)
+    pad[:, :n, :k] = w
+    blocks = pad.reshape(e, nb, B, kb, B)
+    scale = np.abs(blocks).max(axis=(2, 4)) / 448.0
+    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
+    q = (blocks / scale[:, :, None, :, None]).reshape(e, nb * B, kb * B)[:, :n, :k]
+    return q.astype(ml_dtypes.float8_e4m3fn), scale
+
+
+def dequantize_fp8(q, scale):
+    n, k = q.shape[1:]
+    full = np.repeat(np.repeat(scale, B, axis=1), B, axis=2)[:, :n, :k]
+    return q.astype(np.float32) * full
+
+
+def quantize_int8(w):
+    scale = np.abs(w).max(axis=2) / 127.0
+    scale = np.where(scale == 0, 1.0, scale).astype(np.float32)
+    return np.clip(np.round(w / scale[:, :, None]), -127, 127).astype(np.int8), scale
+
+
+def make_experts(kind, e, h, i, seed=0):
+    """Quantized gate_up [E, 2I, H] (gate and up quantized as separate tensors, as in a checkpoint), down
+    [E, H, I], their scales, and the dequantized f32 weights."""
+    rng = np.random.default_rng(seed)
+    gate, up, down = (rng.standard_normal(s).astype(np.float32) * 0.2 for s in ((e, i, h), (e, i, h), (e, h, i)))
+    if kind == "fp8":
+        (gq, gs), (uq, us), (dq, ds) = quantize_fp8(gate), quantize_fp8(up), quantize_fp8(down)
+        deq = [dequantize_fp8(gq, gs), dequantize_fp8(uq, us), dequantize_fp8(dq, ds)]
+        if gs.shape[1] == 1:  # transformers keeps at least 2 scale rows for gate_up, one per half
+            gs, us = gs[:, :1], us[:, :1]
+    else:
+        (gq, gs), (uq, us), (dq, ds) = quantize_int8(gate), quantize_int8(up), quantize_int8(down)
+        deq = [q.astype(np.float32) * s[:, :, None] for q, s in ((gq, gs), (uq, us), (dq, ds))]
+    gu, gu_s = np.concatenate([gq, uq], axis=1), np.concatenate([gs, us], axis=1)
+    return (jnp.asarray(gu), jnp.asarray(dq), jnp.asarray(gu_s), jnp.asarray(ds)), deq
+
+
+def reference(x, idx, w, gate, up, down, dtype):
+    """Plain NumPy, token by token: the dequantized weights rounded to the compute dtype (as transformers'
+    dequantizing load), f32 matmuls, SiLU; sentinel ids (>= E) contribute nothing."""
+    rd = lambda a: np.asarray(jnp.asarray(a).astype(dtype).astype(jnp.float32))  # noqa: E731
+    gate, up, down = rd(gate), rd(up), rd(down)
+    x = rd(x)
+    out = np.zeros(x.shape, np.float32)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            ex = int(idx[t, j])
+            if ex >= gate.shape[0]:
+                continue
+            g, u = gate[ex] @ x[t], up[ex] @ x[t]
+            hmid = rd(g / (1 + np.exp(-g)) * u)
+            out[t] += float(w[t, j]) * rd(down[ex] @ hmid)
+    return out
+
+
+def routing(t, e, k, empty, seed=1):
+    """Top-k ids avoiding the experts in ``empty`` (so they get no tokens), one sentinel id, weights."""
+    rng = np.random.default_rng(seed)
+    allowed = [x for x in range(e) if x not in empty]
+    idx = np.stack([rng.choice(allowed, k, replace=False) for _ in range(t)]).astype(np.int32)
+    idx[t // 2, -1] = e  # an expert-parallel sentinel: never computed
+    w = rng.random((t, k)).astype(np.float32)
+    return idx, w
+
+
+CASES = [  # kind, E, H, I, tokens, compute dtype
+    pytest.param("fp8", 5, 200, 96, 13, "float32", id="fp8-H200-I96-T13-f32"),  # off the block grid both ways
+    pytest.param("fp8", 4, 256, 128, 7, "bfloat16", id="fp8-H256-I128-T7-bf16"),
+    pytest.param("fp8", 3, 136, 160, 21, "float32", id="fp8-H136-I160-T21-f32"),  # up starts on its own block row
+    pytest.param("int8", 5, 72, 40, 11, "float32", id="int8-H72-I40-T11-f32"),
+    pytest.param("int8", 4, 256, 128, 9, "bfloat16", id="int8-H256-I128-T9-bf16"),
+]
+
+
+@pytest.mark.parametrize("path", ["fused", "gmm"])
+@pytest.mark.parametrize("kind,e,h,i,t,dtype", CASES)
+def test_quantized_experts_match_dequantized_reference(load_kernel, kind, e, h, i, t, dtype, path, monkeypatch):
+    k = load_kernel("ragged_dot")
+    (gu, dn, gus, dns), (gate, up, down) = make_experts(kind, e, h, i)
+    idx, w = routing(t, e, 2, empty={1})
+    x = np.random.default_rng(2).standard_normal((t, h)).astype(np.float32)
+    if path == "gmm":  # the two-kernel path (experts too large for VMEM whole)
+        monkeypatch.setattr(k.pallas, "fused_moe_tiling", lambda *a, **kw: None)
+    with interpret("fast"):
+        out = k.experts.experts(jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(w, dtype), gu, dn,
+                                gate_up_scale=gus, down_scale=dns)
+    assert out.dtype == jnp.dtype(dtype) and out.shape == (t, h)
+    ref = reference(x, idx, np.asarray(jnp.asarray(w, dtype).astype(jnp.float32)), gate, up, down, dtype)
+    tol = 2e-5 if dtype == "float32" else 2e-2  # bf16: the intermediate and the down output round to bf16
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=tol, atol=tol * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_gmm_quantized_n_tiles_and_overhang(load_kernel, kind):
+    """gmm alone with several n tiles, the last one overhanging n (its scale rows are padded), an empty
+    group and rows past sum(group_sizes)."""
+    P = load_kernel("ragged_dot").pallas
+    rng = np.random.default_rng(3)
+    g, n, kk, m = 4, 320, 136, 50
+    wf = rng.standard_normal((g, n, kk)).astype(np.float32)
+    q, s = quantize_fp8(wf) if kind == "fp8" else quantize_int8(wf)
+    deq = dequantize_fp8(q, s) if kind == "fp8" else q.astype(np.float32) * s[:, :, None]
+    x = rng.standard_normal((m, kk)).astype(np.float32)
+    sizes = np.array([11, 0, 30, 4], np.int32)
+    with interpret("fast"):
+        out = P.gmm(jnp.asarray(x), jnp.asarray(q), jnp.asarray(sizes), transposed=True, rhs_scale=jnp.asarray(s),
+                    tm=16, tn=128)
+    ref = np.zeros((m, n), np.float32)
+    ends = np.cumsum(sizes)
+    for gi in range(g):
+        ref[ends[gi] - sizes[gi]:ends[gi]] = x[ends[gi] - sizes[gi]:ends[gi]] @ deq[gi].T
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+
+
+@pytest.mark.strict_interpret
+def test_strict_interpreter_quantized_fused_and_gmm(load_kernel, monkeypatch):
+    """The strict TPU interpreter (out-of-bounds reads raise, uninitialised memory is NaN, races
+    detected) on both quantized paths, fp8 off the block grid, an expert with no tokens."""
+    k = load_kernel("ragged_dot")
+    e, h, i, t = 3, 136, 96, 9
+    (gu, dn, gus, dns), (gate, up, down) = make_experts("fp8", e, h, i, seed=4)
+    idx, w = routing(t, e, 2, empty={2}, seed=5)
+    x = np.random.default_rng(6).standard_normal((t, h)).astype(np.float32)
+    ref = reference(x, idx, w, gate, up, down, "float32")
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(k.pallas, "fused_moe_tiling", lambda *a, **kw: None)
+        with interpret("strict"):
+            out = k.experts.experts(jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), gu, dn,
+                                    gate_up_scale=gus, down_scale=dns)
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+
+
+def test_quantized_torch_op(load_kernel):
+    """The torch op takes torch.float8_e4m3fn weights and f32 scales (what FP8Experts holds)."""
+    import torch
+
+    k = load_kernel("ragged_dot")
+    e, h, i, t = 4, 136, 64, 5
+    (gu, dn, gus, dns), (gate, up, down) = make_experts("fp8", e, h, i, seed=7)
+    idx, w = routing(t, e, 2, empty={0}, seed=8)
+    x = np.random.default_rng(9).standard_normal((t, h)).astype(np.float32)
+    tt = lambda a: torch.from_numpy(np.asarray(a.astype(jnp.float32) if a.dtype == jnp.float8_e4m3fn else a))  # noqa: E731
+    out = k.experts_op(torch.from_numpy(x), torch.from_numpy(idx).long(), torch.from_numpy(w),
+                       tt(gu).to(torch.float8_e4m3fn), tt(dn).to(torch.float8_e4m3fn), gate_up_scale=tt(gus),
+                       down_scale=tt(dns))
+    ref = reference(x, idx, w, gate, up, down, "float32")
+    np.testing.assert_allclose(out.numpy(), ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+
+
+# --------------------------------------------------------------------------- bad input
+
+def test_bad_scales_block_sizes_and_array_types(load_kernel):
+    X = load_kernel("ragged_dot").experts
+    e, h, i, t = 4, 256, 128, 3
+    (gu, dn, gus, dns), _ = make_experts("fp8", e, h, i)
+    x, idx, w = jnp.zeros((t, h)), jnp.zeros((t, 2), jnp.int32), jnp.zeros((t, 2))
+    call = lambda *a, **kw: X.validate(x, idx, w, *a, **kw)  # noqa: E731
+    call(gu, dn, gate_up_scale=gus, down_scale=dns)  # fine
+    with pytest.raises(ValueError, match="gate_up_scale is missing"):
+        call(gu, dn)
+    with pytest.raises(ValueError, match=r"down_scale must be \[4, 2, 1\] .* got \[4, 2, 2\]"):
+        call(gu, dn, gate_up_scale=gus, down_scale=jnp.zeros((e, 2, 2)))
+    with pytest.raises(ValueError, match=r"gate_up_scale must be \[4, 2, 2\]"):
+        call(gu, dn, gate_up_scale=gus[:, :1], down_scale=dns)
+    with pytest.raises(TypeError, match="down_scale must have dtype float32, got bfloat16"):
+        call(gu, dn, gate_up_scale=gus, down_scale=dns.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="block_size must be 128.* got 64"):
+        call(gu, dn, gate_up_scale=gus, down_scale=dns, block_size=64)
+    with pytest.raises(TypeError, match="gate_up_scale is given but gate_up_proj has dtype float32"):
+        call(gu.astype(jnp.float32), dn.astype(jnp.float32), gate_up_scale=gus, down_scale=dns)
+    with pytest.raises(TypeError, match="gate_up_proj must have dtype one of .*float8_e4m3fn, int8, uint8, got float8_e5m2"):
+        call(gu.astype(jnp.float8_e5m2), dn.astype(jnp.float8_e5m2), gate_up_scale=gus, down_scale=dns)
+    with pytest.raises(TypeError, match="down_proj must have dtype int8, got float8_e4m3fn"):
+        call(gu.astype(jnp.int8), dn, gate_up_scale=gus, down_scale=dns)
+    with pytest.raises(NotImplementedError, match="only transformers' .E, 2I, H. / .E, H, I. layout"):
+        call(jnp.swapaxes(gu, 1, 2), jnp.swapaxes(dn, 1, 2), gate_up_scale=gus, down_scale=dns, is_transposed=True)
+    with pytest.raises(ValueError, match=r"down_scale must have 2 dimensions, got shape \(4, 2, 1\)"):
+        call(gu.astype(jnp.int8), dn.astype(jnp.int8), gate_up_scale=jnp.zeros((e, 2 * i)), down_scale=dns)
+
+    # MXFP4: packed [E, 2I, H/2] / [E, H, I/2] uint8 with uint8 e8m0 scales per 32 inputs
+    gu4, dn4 = jnp.zeros((e, 2 * i, h // 2), jnp.uint8), jnp.zeros((e, h, i // 2), jnp.uint8)
+    gus4, dns4 = jnp.zeros((e, 2 * i, h // 32), jnp.uint8), jnp.zeros((e, h, i // 32), jnp.uint8)
+    call(gu4, dn4, gate_up_scale=gus4, down_scale=dns4, interleaved=True)  # fine
+    with pytest.raises(TypeError, match="down_scale must have dtype uint8, got float32"):
+        call(gu4, dn4, gate_up_scale=gus4, down_scale=dns4.astype(jnp.float32))
+    with pytest.raises(ValueError, match=r"gate_up_scale must be \[4, 256, 8\] for uint8"):
+        call(gu4, dn4, gate_up_scale=gus4[:, :, :4], down_scale=dns4)
+    with pytest.raises(ValueError, match="MXFP4 weights need whole 32-value blocks"):  # H = 240: 7.5 blocks
+        X.validate(jnp.zeros((t, 240)), idx, w, gu4[:, :, :120], jnp.zeros((e, 240, i // 2), jnp.uint8),
+                   gate_up_scale=gus4, down_scale=dns4, interleaved=True)
+
+    class QArray:  # an array-like quantized wrapper (e.g. qwix): refused by name, not deep in pallas_call
+        shape, dtype, qvalue = gu.shape, gu.dtype, gu
+
+    with pytest.raises(TypeError, match="gate_up_proj is a .*QArray: pass its quantized values as gate_up_proj and its scales as gate_up_scale"):
+        call(QArray(), dn, gate_up_scale=gus, down_scale=dns)
+
+
+# --------------------------------------------------------------------------- MXFP4 (GPT-OSS)
+
+FP4 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+
+
+def quantize_mxfp4(w):
+    """[E, N, K] -> (blocks [E, N, K/2] uint8, low nibble = even input; scales [E, N, K/32] uint8 e8m0):
+    OCP MX, shared exponent floor(log2(amax)) - 2, nearest e2m1 value (by table lookup)."""
+    e, n, k = w.shape
+    x = w.reshape(e, n, k // 32, 32)
+    amax = np.abs(x).max(-1, keepdims=True)
+    exp = np.where(amax > 0, np.floor(np.log2(np.maximum(amax, 1e-30))) - 2, -127).clip(-127, 127)
+    codes = np.abs(x / np.exp2(exp))[..., None] - FP4[:8]
+    codes = np.abs(codes).argmin(-1) | ((x < 0) << 3)
+    codes = codes.reshape(e, n, k // 2, 2).astype(np.uint8)
+    return (codes[..., 0] | (codes[..., 1] << 4)).astype(np.uint8), (exp[..., 0] + 127).astype(np.uint8)
+
+
+def dequantize_mxfp4(blocks, scales):
+    e, n, half = blocks.shape
+    vals = np.stack([FP4[blocks & 15], FP4[blocks >> 4]], -1).reshape(e, n, half * 2)
+    return vals * np.repeat(np.exp2(scales.astype(np.float32) - 127), 32, axis=2)
+
+
+def gpt_oss_reference(x, idx, w, gate_up, gu_bias, down, dn_bias, dtype, alpha=1.702, limit=7.0):
+    """GPT-OSS's experts, token by token: interleaved gate/up rows, biases, clamped swiglu."""
+    rd = lambda a: np.asarray(jnp.asarray(a).astype(dtype).astype(jnp.float32))  # noqa: E731
+    gate_up, down, gu_bias, dn_bias, x = rd(gate_up), rd(down), rd(gu_bias), rd(dn_bias), rd(x)
+    out = np.zeros(x.shape, np.float32)
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            ex = int(idx[t, j])
+            if ex >= gate_up.shape[0]:
+                continue
+            gu = gate_up[ex] @ x[t] + gu_bias[ex]
+            gate, up = np.minimum(gu[0::2], limit), np.clip(gu[1::2], -limit, limit)
+            h = rd((up + 1) * gate / (1 + np.exp(-alpha * gate)))
+            out[t] += float(w[t, j]) * rd(down[ex] @ h + dn_bias[ex])
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mxfp4_gpt_oss_experts_match_dequantized_reference(load_kernel, dtype):
+    """MXFP4 blocks/scales as GPT-OSS stores them (H = 96 and I = 64: off the 128 grid), an expert with no
+    tokens, 11 tokens, a sentinel: the two-kernel path against NumPy's table-lookup dequantization."""
+    k = load_kernel("ragged_dot")
+    rng = np.random.default_rng(10)
+    e, h, i, t = 4, 96, 64, 11
+    gate_up = rng.standard_normal((e, 2 * i, h)).astype(np.float32) * 0.3
+    down = rng.standard_normal((e, h, i)).astype(np.float32) * 0.3
+    (gub, gus), (dnb, dns) = quantize_mxfp4(gate_up), quantize_mxfp4(down)
+    gu_bias, dn_bias = (rng.standard_normal(s).astype(np.float32) * 0.1 for s in ((e, 2 * i), (e, h)))
+    idx, w = routing(t, e, 2, empty={2}, seed=11)
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    with interpret("fast"):
+        out = k.experts.experts(jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(w, dtype), jnp.asarray(gub),
+                                jnp.asarray(dnb), jnp.asarray(gu_bias, dtype), jnp.asarray(dn_bias, dtype),
+                                activation="swiglu_oai", interleaved=True, gate_up_scale=jnp.asarray(gus),
+                                down_scale=jnp.asarray(dns))
+    ref = gpt_oss_reference(x, idx, np.asarray(jnp.asarray(w, dtype).astype(jnp.float32)), dequantize_mxfp4(gub, gus),
+                            gu_bias, dequantize_mxfp4(dnb, dns), dn_bias, dtype)
+    tol = 2e-5 if dtype == "float32" else 2e-2
+    np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=tol, atol=tol * np.abs(ref).max())
