@@ -170,11 +170,6 @@ def quantize(x, scale, dtype):
     return jnp.clip(y, -bound, bound).astype(dtype)
 
 
-def dequantize(x, scale):
-    """The f32 values a quantized x [..., Hkv, D] stands for: x * scale[h]."""
-    return x.astype(jnp.float32) * scale.astype(jnp.float32)[:, None]
-
-
 # --------------------------------------------------------------------------- work items
 
 def _default_block_q(group: int, dtype) -> int:
