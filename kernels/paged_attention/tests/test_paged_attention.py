@@ -255,6 +255,30 @@ def test_quantized_torch_ops_write_then_attend(load_kernel):
     np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_quantized_cache_halves_the_modelled_kv_traffic(load_kernel):
+    """The cost model (not a measurement) follows the kernel's page DMAs: an fp8 / int8 cache moves
+    half the bytes of a bf16 one (the q/out blocks and metadata are the same small remainder)."""
+    from pallas_hub.bench import costmodel
+
+    k = load_kernel("paged_attention")
+    lens = np.random.default_rng(0).integers(300, 1000, 8).astype(np.int32)
+    page, hkv, d = 16, 4, 128
+    table = np.random.default_rng(1).permutation(8 * 64).astype(np.int32).reshape(8, 64)
+    cu = jnp.arange(9, dtype=jnp.int32)
+    q = jax.ShapeDtypeStruct((8, 32, d), jnp.bfloat16)
+    kv_bytes = {}
+    for dtype in (jnp.bfloat16, jnp.float8_e4m3fn, jnp.int8):
+        pages = jax.ShapeDtypeStruct((8 * 64, page, hkv, d), dtype)
+        scales = {} if dtype == jnp.bfloat16 else dict(k_scale=jnp.ones(hkv), v_scale=jnp.ones(hkv))  # SMEM: concrete
+        (call,) = costmodel.estimate(k.pallas.ragged_paged_attention, q, pages, pages, jnp.asarray(lens),
+                                     jnp.asarray(table), cu, **scales).calls
+        kv_bytes[jnp.dtype(dtype).name] = call.dma_read_bytes
+    pages_read = sum(-(-int(n) // page) for n in lens)
+    assert kv_bytes["bfloat16"] >= 2 * pages_read * page * hkv * d * 2  # K and V pages, 2 bytes a value
+    assert kv_bytes["float8_e4m3fn"] == kv_bytes["int8"]
+    assert abs(kv_bytes["float8_e4m3fn"] / kv_bytes["bfloat16"] - 0.5) < 0.01, kv_bytes
+
+
 QUANT_BAD = {  # name: (change, message); the cache is float8_e4m3fn unless the change says otherwise
     "quantized cache without scales": (lambda a: dict(k_scale=None), r"float8_e4m3fn, a quantized dtype: k_scale"),
     "v_scale missing": (lambda a: dict(v_scale=None), r"v_scale \(float32 \[Hkv\]"),
