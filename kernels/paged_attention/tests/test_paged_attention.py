@@ -279,6 +279,18 @@ def test_quantized_cache_halves_the_modelled_kv_traffic(load_kernel):
     assert abs(kv_bytes["float8_e4m3fn"] / kv_bytes["bfloat16"] - 0.5) < 0.01, kv_bytes
 
 
+def test_quantize_kv_op_errors_name_the_argument(load_kernel):
+    k = load_kernel("paged_attention")
+    x, scale = torch.ones(3, 2, 64), torch.ones(2)
+    assert k.quantize_kv(x, scale, "int8").dtype == torch.int8
+    with pytest.raises(ValueError, match="dtype must be one of float8_e4m3fn, int8, got 'float16'"):
+        k.quantize_kv(x, scale, "float16")
+    with pytest.raises(ValueError, match=r"scale must have shape \(2,\) \(one per KV head"):
+        k.quantize_kv(x, torch.ones(4), "float8_e4m3fn")
+    with pytest.raises(TypeError, match="x must have dtype float32 or bfloat16, got int8"):
+        k.quantize_kv(x.to(torch.int8), scale, "int8")
+
+
 QUANT_BAD = {  # name: (change, message); the cache is float8_e4m3fn unless the change says otherwise
     "quantized cache without scales": (lambda a: dict(k_scale=None), r"float8_e4m3fn, a quantized dtype: k_scale"),
     "v_scale missing": (lambda a: dict(v_scale=None), r"v_scale \(float32 \[Hkv\]"),

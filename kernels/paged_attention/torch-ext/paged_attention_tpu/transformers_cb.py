@@ -170,8 +170,9 @@ class KvCacheQuantization:
                 raise ValueError("kv_cache_dtype='int8' needs kv_scale (no default suits int8: e.g. each KV head's "
                                  "calibrated amax / 127)")
             kv_scale = 1.0
-        hkv = config.num_key_value_heads
-        shape = (config.num_hidden_layers, 2, hkv)
+        from transformers.generation.continuous_batching.utils import find_num_key_value_heads
+
+        shape = (config.num_hidden_layers, 2, find_num_key_value_heads(config))  # as the paged cache counts them
         scale = torch.as_tensor(kv_scale, dtype=torch.float32)
         try:
             scales = torch.broadcast_to(scale, shape).contiguous()
