@@ -3,6 +3,8 @@
 Decode (one new token per sequence) and mixed batches (a few prefill chunks among decodes) for 64 and
 256 sequences at 2k to 32k tokens of context, pages of 16 and 128 tokens, bf16 (f32 for one), and the
 KV write kernel. The cache pool holds exactly the pages the batch needs (num_seqs x context / page).
+Quantized caches (float8_e4m3fn, int8 with per-KV-head scales, bf16 queries): decode and mixed reads,
+and the quantizing write.
 """
 
 import jax
@@ -13,13 +15,19 @@ from pallas_hub.verify.matrix import Config
 HQ, HKV, D = 32, 4, 128
 
 
-def _attention(kernel, num_seqs, context, page, dtype=jnp.bfloat16, tokens=None):
+def _attention(kernel, num_seqs, context, page, dtype=jnp.bfloat16, tokens=None, cache=None):
+    """(fn, args) of one call; ``cache`` a quantized cache dtype (then per-KV-head scales follow)."""
     s = jax.ShapeDtypeStruct
     pps = context // page
     pages = num_seqs * pps
     t = tokens or num_seqs
-    args = (s((t, HQ, D), dtype), s((pages, page, HKV, D), dtype), s((pages, page, HKV, D), dtype),
+    cache = cache or dtype
+    args = (s((t, HQ, D), dtype), s((pages, page, HKV, D), cache), s((pages, page, HKV, D), cache),
             s((num_seqs,), jnp.int32), s((num_seqs, pps), jnp.int32), s((num_seqs + 1,), jnp.int32))
+    if cache != dtype:
+        args += (None, s((HKV,), jnp.float32), s((HKV,), jnp.float32))  # sinks, k_scale, v_scale
+        return (lambda q, k, v, lens, table, cu, sinks, ks, vs, **static: kernel.pallas.ragged_paged_attention(
+            q, k, v, lens, table, cu, sinks, k_scale=ks, v_scale=vs, **static)), args
     return kernel.pallas.ragged_paged_attention, args
 
 
@@ -49,9 +57,19 @@ def configs(kernel):
                       dict(scale=D**-0.5, window=4096, softcap=30.0)))
     fn, args = _attention(kernel, 64, 2048, 256)
     out.append(Config("decode 64 seqs x 2k bf16 page 256", fn, args, dict(scale=D**-0.5)))
+    for name, cache in (("fp8", jnp.float8_e4m3fn), ("int8", jnp.int8)):
+        for page in (16, 128):
+            fn, args = _attention(kernel, 64, 8192, page, cache=cache)
+            out.append(Config(f"decode 64 seqs x 8k {name} cache page {page}", fn, args, dict(scale=D**-0.5)))
+        fn, args = _attention(kernel, 256, 32768, 16, tokens=4 * 512 + 252, cache=cache)  # 8 GiB: fits v5e
+        out.append(Config(f"mixed 256 seqs 32k {name} cache page 16, window 4096", fn, args,
+                          dict(scale=D**-0.5, window=4096)))
     s = jax.ShapeDtypeStruct
-    cache = s((64 * 64, 128, HKV, D), jnp.bfloat16)
-    out.append(Config("write_kv 2048 tokens into 64 seqs x 8k bf16 page 128", kernel.pallas.write_kv,
-                      (cache, cache, s((2048, HKV, D), jnp.bfloat16), s((2048, HKV, D), jnp.bfloat16),
-                       s((64,), jnp.int32), s((64, 64), jnp.int32), s((65,), jnp.int32))))
+    meta = (s((64,), jnp.int32), s((64, 64), jnp.int32), s((65,), jnp.int32))
+    new = s((2048, HKV, D), jnp.bfloat16)
+    for name, dtype in (("bf16", jnp.bfloat16), ("fp8", jnp.float8_e4m3fn), ("int8", jnp.int8)):
+        cache = s((64 * 64, 128, HKV, D), dtype)
+        scales = () if dtype == jnp.bfloat16 else (s((HKV,), jnp.float32),) * 2
+        out.append(Config(f"write_kv 2048 tokens into 64 seqs x 8k {name} page 128", kernel.pallas.write_kv,
+                          (cache, cache, new, new, *meta, *scales)))
     return out

@@ -45,6 +45,22 @@ def test_write_kv_functional(pa, on_tpu, index_dtype):
         assert [p.dtype for p in launch.params[4:]] == [torch.int32] * 3
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
+def test_quantized_cache_write_and_attend(pa, on_tpu, cache_dtype):
+    """A 1-byte cache with per-KV-head scales: the functional write (quantizing) and the read."""
+    kp, vp = (on_tpu.empty(PAGES, PAGE, HKV, D, dtype=cache_dtype) for _ in range(2))
+    ks, vs = on_tpu.empty(HKV, dtype=torch.float32), on_tpu.empty(HKV, dtype=torch.float32)
+    q, new_k, new_v = on_tpu.empty(5, HQ, D), on_tpu.empty(5, HKV, D), on_tpu.empty(5, HKV, D)
+    kv_lens, table, cu = (on_tpu.empty(*s, dtype=torch.int32) for s in ((2,), (2, 4), (3,)))
+    k, v = on_tpu(pa, lambda: pa.write_kv(kp, vp, new_k, new_v, kv_lens, table, cu, ks, vs))
+    assert (k.dtype, v.dtype, tuple(k.shape)) == (cache_dtype, cache_dtype, (PAGES, PAGE, HKV, D))
+    out = on_tpu(pa, lambda: pa.ragged_paged_attention(q, k, v, kv_lens, table, cu, k_scale=ks, v_scale=vs))
+    assert (tuple(out.shape), out.dtype, out.device.type) == ((5, HQ, D), torch.bfloat16, "tpu")
+    if on_tpu.kind == "eager":
+        write, attend = on_tpu.checker.launches
+        assert write.params[0].dtype == attend.params[1].dtype == cache_dtype
+
+
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
 def test_write_kv_in_place_launches_only_the_small_target_op(pa, eager_tpu, index_dtype):
     k_cache, v_cache = _paged_cache(eager_tpu)
@@ -54,6 +70,18 @@ def test_write_kv_in_place_launches_only_the_small_target_op(pa, eager_tpu, inde
     (launch,) = eager_tpu.checker.launches  # the targets, on the device: never a cache
     assert launch.name.endswith("::write_targets_jax") and len(launch.inputs) == 3
     assert [p.dtype for p in launch.params] == [torch.int32] * 3 and launch.results[0].shape == (5,)
+
+
+def test_quantized_write_kv_in_place_launches_the_target_and_quantize_ops(pa, eager_tpu):
+    k_cache, v_cache = (eager_tpu.empty(PAGES, PAGE, HKV, D, dtype=torch.float8_e4m3fn) for _ in range(2))
+    ks, vs = eager_tpu.empty(HKV, dtype=torch.float32), eager_tpu.empty(HKV, dtype=torch.float32)
+    new_k, new_v = eager_tpu.empty(5, HKV, D), eager_tpu.empty(5, HKV, D)
+    kv_lens, table, cu = (eager_tpu.empty(*s, dtype=torch.int32) for s in ((2,), (2, 4), (3,)))
+    eager_tpu(pa, lambda: pa.write_kv_(k_cache, v_cache, new_k, new_v, kv_lens, table, cu, ks, vs))
+    names = sorted(launch.name.rsplit("::", 1)[1] for launch in eager_tpu.checker.launches)
+    assert names == ["quantize_kv_jax", "quantize_kv_jax", "write_targets_jax"]
+    assert {launch.results[0].dtype for launch in eager_tpu.checker.launches
+            if launch.name.endswith("quantize_kv_jax")} == {torch.float8_e4m3fn}
 
 
 def test_write_kv_in_place_hands_torch_tpu_only_in_place_row_writes(pa):
@@ -70,7 +98,8 @@ def test_write_kv_in_place_hands_torch_tpu_only_in_place_row_writes(pa):
             ((PAGES, PAGE, HKV, D), torch.bfloat16), ((PAGES, PAGE, HKV, D), torch.bfloat16),
             ((5, HKV, D), torch.bfloat16), ((5, HKV, D), torch.bfloat16),
             ((2,), torch.int64), ((2, 4), torch.int64), ((3,), torch.int64))]
-    graph = make_fx(pa.write_kv_, tracing_mode="fake")(*args).graph
+    unquantized = lambda kc, vc, nk, nv, lens, table, cu: pa.write_kv_(kc, vc, nk, nv, lens, table, cu)  # noqa: E731
+    graph = make_fx(unquantized, tracing_mode="fake")(*args).graph  # make_fx wants every parameter given
     calls = [n for n in graph.nodes if n.op == "call_function"]
     targets = [str(n.target) for n in calls]
     assert not any("local_scalar_dense" in t or "copy" in t or "clone" in t for t in targets), targets

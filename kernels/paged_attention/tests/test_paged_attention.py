@@ -50,7 +50,8 @@ def check(k, args, *, mode="fast", **static):
     with interpret(mode):
         out = jax.jit(k.pallas.ragged_paged_attention, static_argnames=STATIC)(*args, **static)
     out = np.asarray(out.astype(jnp.float32))
-    ref = k.pallas.reference(*args, **{n: v for n, v in static.items() if n in ("scale", "window", "softcap")})
+    ref = k.pallas.reference(*args, **{n: v for n, v in static.items()
+                                       if n in ("scale", "window", "softcap", "k_scale", "v_scale")})
     assert np.isfinite(out).all()
     t_real = int(args[5][-1])
     assert np.all(out[t_real:] == 0), "padding rows must be 0"
@@ -100,6 +101,235 @@ def test_sweep(load_kernel, page, num_seqs):
     for dtype, extra in ((jnp.float32, dict()), (jnp.bfloat16, dict(window=256, softcap=30.0))):
         args = make_case(list(q_lens), list(kv_lens), page=page, hq=8, hkv=2, dtype=dtype, sinks=bool(extra))
         check(k, args, **extra)
+
+
+# --------------------------------------------------------------------------- quantized caches (fp8 e4m3, int8)
+
+QUANT = {"float8_e4m3fn": jnp.float8_e4m3fn, "int8": jnp.int8}
+
+
+def amax_scales(pages, dtype):
+    """One scale per KV head: the head's largest |value| maps to the dtype's largest value."""
+    amax = np.abs(np.asarray(pages, np.float32)).max(axis=(0, 1, 3))
+    return jnp.asarray(amax / {"float8_e4m3fn": 448.0, "int8": 127.0}[dtype], jnp.float32)
+
+
+def host_quantize(x, scale, dtype):
+    """numpy/ml_dtypes, independent of pallas.quantize: x / scale, nearest-even, saturated."""
+    y = np.asarray(x, np.float32) / np.asarray(scale, np.float32)[:, None]
+    if dtype == "int8":
+        return np.clip(np.rint(y), -127, 127).astype(np.int8)
+    return np.clip(y, -448, 448).astype(jnp.float8_e4m3fn)  # ml_dtypes' cast rounds to nearest even
+
+
+def quantized_case(case, dtype, spread=True):
+    """The case's cache quantized per KV head (head h's values scaled by 1 + h, so scales differ)."""
+    q, kp, vp, lens, table, cu, sk = case
+    if spread:
+        mult = jnp.arange(1, kp.shape[2] + 1, dtype=jnp.float32)[:, None]
+        kp, vp = (kp.astype(jnp.float32) * mult).astype(kp.dtype), (vp.astype(jnp.float32) * mult).astype(vp.dtype)
+    ks, vs = amax_scales(kp, dtype), amax_scales(vp, dtype)
+    kq, vq = (jnp.asarray(host_quantize(p, s, dtype)) for p, s in ((kp, ks), (vp, vs)))
+    return (q, kq, vq, lens, table, cu, sk), (ks, vs), (kp, vp)
+
+
+QUANT_CASES = {  # name: (q_lens, kv_lens, make_case kwargs, kernel static kwargs)
+    "decode_page16": ([1] * 5, [1, 17, 40, 33, 5], dict(), dict(block_q=4)),
+    "mixed_page32_window_softcap_sinks": ([30, 1, 0, 7, 1], [100, 33, 0, 7, 250], dict(page=32, sinks=True),
+                                          dict(window=24, softcap=20.0, block_kv=64)),
+    "bf16_q_gqa4_page128": ([3, 1, 60, 1], [3, 300, 90, 129], dict(page=128, hq=8, hkv=2, dtype=jnp.bfloat16),
+                            dict(block_kv=128, block_q=64)),
+    "bf16_q_page64_chunked_prefill_window": ([16, 1, 9], [48, 77, 9], dict(page=64, hkv=4, hq=4, d=64,
+                                                                           dtype=jnp.bfloat16), dict(window=20, block_q=16)),
+}
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+@pytest.mark.parametrize("name", QUANT_CASES)
+def test_quantized_cache_matches_dense_reference(load_kernel, name, dtype):
+    """The kernel over a float8_e4m3fn / int8 cache equals dense attention over the dequantized cache
+    (values x per-head scale) within the query dtype's tolerance: dequantization is exact."""
+    k = load_kernel("paged_attention")
+    q_lens, kv_lens, make, static = QUANT_CASES[name]
+    args, (ks, vs), _ = quantized_case(make_case(q_lens, kv_lens, **make), dtype)
+    assert args[1].dtype == QUANT[dtype]
+    check(k, args, k_scale=ks, v_scale=vs, **static)
+
+
+def test_quantized_scales_are_per_kv_head(load_kernel):
+    """Swapping two heads' scales changes exactly those heads' outputs: the check can fail."""
+    k = load_kernel("paged_attention")
+    args, (ks, vs), _ = quantized_case(make_case([2, 1], [20, 9], hq=4, hkv=2), "int8")
+    out = check(k, args, k_scale=ks, v_scale=vs)
+    with interpret("fast"):
+        swapped = np.asarray(k.pallas.ragged_paged_attention(*args[:6], k_scale=ks, v_scale=vs[::-1], scale=128 ** -0.5))
+    real = int(args[5][-1])
+    assert not np.allclose(swapped[:real], out[:real], atol=1e-3)
+
+
+def quant_errors(k, case, dtype, static):
+    """(max, mean) |out - exact| of the kernel over a quantized cache, exact = f32 dense attention
+    over the unquantized cache; ``dtype`` None = the unquantized cache itself."""
+    q, kp, vp, lens, table, cu, sk = case
+    exact = k.pallas.reference(q, kp, vp, lens, table, cu, sk, **{n: v for n, v in static.items() if n != "block_q"})
+    args, scales = case, {}
+    if dtype is not None:
+        args, (ks, vs), _ = quantized_case(case, dtype, spread=False)
+        scales = dict(k_scale=ks, v_scale=vs)
+    with interpret("fast"):
+        out = np.asarray(jax.jit(k.pallas.ragged_paged_attention, static_argnames=STATIC)(*args, **scales, **static)
+                         .astype(jnp.float32))
+    real = int(cu[-1])
+    err = np.abs(out[:real] - exact[:real])
+    return float(err.max()), float(err.mean())
+
+
+ACCURACY_CASES = {  # name: make_case args, static; unit-normal bf16 q/K/V, page tables shuffled
+    "decode 9 seqs, page 16": (([1] * 9, [1, 17, 40, 16, 33, 5, 64, 2, 30]), dict(), dict(block_q=8)),
+    "mixed prefill/decode, page 64, window 24": (([30, 1, 7, 1], [100, 33, 7, 250]), dict(page=64),
+                                                 dict(window=24)),
+    "GQA 4, page 128": (([3, 1, 60, 1], [3, 300, 90, 129]), dict(page=128, hq=8, hkv=2), dict(block_q=64)),
+}
+# (max, mean) |error| bounds, about twice what was observed (CARD.md's table)
+ACCURACY_BOUNDS = {None: (0.02, 0.001), "float8_e4m3fn": (0.3, 0.02), "int8": (0.07, 0.008)}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] if i else [])
+                                  for i, n in enumerate(ACCURACY_CASES)])
+def test_quantized_cache_accuracy_vs_bf16_cache(load_kernel, name):
+    """CARD.md's accuracy table (``-s`` prints the rows): error of the kernel's output against exact
+    f32 attention over the original values, for a bf16 cache (bf16 q) and the same values stored in
+    an fp8 / int8 cache (scale per KV head: its amax over the dtype's largest value)."""
+    k = load_kernel("paged_attention")
+    (q_lens, kv_lens), make, static = ACCURACY_CASES[name]
+    case = make_case(q_lens, kv_lens, dtype=jnp.bfloat16, **make)
+    errors = {dtype: quant_errors(k, case, dtype, dict(scale=128 ** -0.5, **static))
+              for dtype in (None, "float8_e4m3fn", "int8")}
+    print("".join(f"\n| {name} | {dtype or 'bfloat16'} | {mx:.2e} | {mean:.2e} |" for dtype, (mx, mean) in errors.items()))
+    for dtype, (mx, mean) in errors.items():
+        assert mx < ACCURACY_BOUNDS[dtype][0] and mean < ACCURACY_BOUNDS[dtype][1], (dtype, mx, mean)
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+@pytest.mark.parametrize("mode", ["fast", pytest.param("strict", marks=pytest.mark.strict_interpret)])
+def test_write_kv_quantizes_the_new_rows(load_kernel, dtype, mode):
+    """write_kv stores x / scale per head, nearest-even and saturated (host numpy reference), in the
+    JAX kernel and in write_kv_; large values saturate instead of becoming NaN."""
+    k = load_kernel("paged_attention")
+    q, kp, vp, lens, table, cu, _ = make_case([5, 1, 0, 20], [20, 3, 0, 40], hq=2, hkv=2, dtype=jnp.bfloat16)
+    ks, vs = jnp.array([0.02, 0.05], jnp.float32), jnp.array([0.01, 0.1], jnp.float32)
+    new_k, new_v = q, (q * 3).at[0, 0, :4].set(1e4)  # some values far past the range: saturate
+    kq, vq = (jnp.zeros(kp.shape, QUANT[dtype]) for _ in range(2))
+    rk, rv = k.pallas.reference_write(kq, vq, host_quantize(new_k, ks, dtype), host_quantize(new_v, vs, dtype),
+                                      lens, table, cu)
+    with interpret(mode):
+        ko, vo = jax.jit(k.pallas.write_kv)(kq, vq, new_k, new_v, lens, table, cu, ks, vs)
+    assert ko.dtype == QUANT[dtype]
+    np.testing.assert_array_equal(np.asarray(ko).astype(np.float32), rk.astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(vo).astype(np.float32), rv.astype(np.float32))
+    assert np.abs(rv.astype(np.float32)).max() == {"float8_e4m3fn": 448, "int8": 127}[dtype]  # saturated
+    tk, tv = _torch(kq, vq)
+    k.write_kv_(tk, tv, *_torch(new_k, new_v, lens, table, cu, ks, vs))
+    np.testing.assert_array_equal(tk.float().numpy(), rk.astype(np.float32))
+    np.testing.assert_array_equal(tv.float().numpy(), rv.astype(np.float32))
+
+
+def test_quantized_torch_ops_write_then_attend(load_kernel):
+    """torch ops end to end on an fp8 cache: write_kv (functional) and write_kv_ (in place) agree,
+    and ragged_paged_attention over the result equals the dense reference."""
+    k = load_kernel("paged_attention")
+    q, kp, vp, lens, table, cu, _ = make_case([4, 1, 3], [4, 30, 20], hq=4, hkv=2, d=64)
+    ks, vs = torch.tensor([0.01, 0.02]), torch.tensor([0.02, 0.01])
+    kc = torch.from_numpy(host_quantize(kp, ks.numpy(), "float8_e4m3fn").astype(np.float32)).to(torch.float8_e4m3fn)
+    vc = torch.from_numpy(host_quantize(vp, vs.numpy(), "float8_e4m3fn").astype(np.float32)).to(torch.float8_e4m3fn)
+    tq, tlens, ttable, tcu = _torch(q, lens, table, cu)
+    new_k, new_v = tq[:, :2] * 0.5, tq[:, 2:]
+    ko, vo = k.write_kv(kc, vc, new_k, new_v, tlens, ttable, tcu, ks, vs)
+    k.write_kv_(kc, vc, new_k, new_v, tlens, ttable, tcu, k_scale=ks, v_scale=vs)
+    assert kc.dtype == ko.dtype == torch.float8_e4m3fn
+    np.testing.assert_array_equal(kc.float().numpy(), ko.float().numpy())
+    np.testing.assert_array_equal(vc.float().numpy(), vo.float().numpy())
+    out = k.ragged_paged_attention(tq, kc, vc, tlens, ttable, tcu, k_scale=ks, v_scale=vs)
+    ref = k.pallas.reference(q, kc.float().numpy(), vc.float().numpy(), lens, table, cu, k_scale=ks.numpy(),
+                             v_scale=vs.numpy())
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_cache_halves_the_modelled_kv_traffic(load_kernel):
+    """The cost model (not a measurement) follows the kernel's page DMAs: an fp8 / int8 cache moves
+    half the bytes of a bf16 one (the q/out blocks and metadata are the same small remainder)."""
+    from pallas_hub.bench import costmodel
+
+    k = load_kernel("paged_attention")
+    lens = np.random.default_rng(0).integers(300, 1000, 8).astype(np.int32)
+    page, hkv, d = 16, 4, 128
+    table = np.random.default_rng(1).permutation(8 * 64).astype(np.int32).reshape(8, 64)
+    cu = jnp.arange(9, dtype=jnp.int32)
+    q = jax.ShapeDtypeStruct((8, 32, d), jnp.bfloat16)
+    kv_bytes = {}
+    for dtype in (jnp.bfloat16, jnp.float8_e4m3fn, jnp.int8):
+        pages = jax.ShapeDtypeStruct((8 * 64, page, hkv, d), dtype)
+        scales = {} if dtype == jnp.bfloat16 else dict(k_scale=jnp.ones(hkv), v_scale=jnp.ones(hkv))  # SMEM: concrete
+        (call,) = costmodel.estimate(k.pallas.ragged_paged_attention, q, pages, pages, jnp.asarray(lens),
+                                     jnp.asarray(table), cu, **scales).calls
+        kv_bytes[jnp.dtype(dtype).name] = call.dma_read_bytes
+    pages_read = sum(-(-int(n) // page) for n in lens)
+    assert kv_bytes["bfloat16"] >= 2 * pages_read * page * hkv * d * 2  # K and V pages, 2 bytes a value
+    assert kv_bytes["float8_e4m3fn"] == kv_bytes["int8"]
+    assert abs(kv_bytes["float8_e4m3fn"] / kv_bytes["bfloat16"] - 0.5) < 0.01, kv_bytes
+
+
+def test_quantize_kv_op_errors_name_the_argument(load_kernel):
+    k = load_kernel("paged_attention")
+    x, scale = torch.ones(3, 2, 64), torch.ones(2)
+    assert k.quantize_kv(x, scale, "int8").dtype == torch.int8
+    with pytest.raises(ValueError, match="dtype must be one of float8_e4m3fn, int8, got 'float16'"):
+        k.quantize_kv(x, scale, "float16")
+    with pytest.raises(ValueError, match=r"scale must have shape \(2,\) \(one per KV head"):
+        k.quantize_kv(x, torch.ones(4), "float8_e4m3fn")
+    with pytest.raises(TypeError, match="x must have dtype float32 or bfloat16, got int8"):
+        k.quantize_kv(x.to(torch.int8), scale, "int8")
+
+
+QUANT_BAD = {  # name: (change, message); the cache is float8_e4m3fn unless the change says otherwise
+    "quantized cache without scales": (lambda a: dict(k_scale=None), r"float8_e4m3fn, a quantized dtype: k_scale"),
+    "v_scale missing": (lambda a: dict(v_scale=None), r"v_scale \(float32 \[Hkv\]"),
+    "scale shape": (lambda a: dict(k_scale=jnp.ones((3,), jnp.float32)), r"k_scale must have shape \(2,\)"),
+    "scale rank": (lambda a: dict(v_scale=jnp.ones((1, 2), jnp.float32)), r"v_scale must have 1 dimensions"),
+    "scale dtype": (lambda a: dict(k_scale=jnp.ones((2,), jnp.bfloat16)), r"k_scale must have dtype float32"),
+    "scale not positive": (lambda a: dict(v_scale=jnp.array([1.0, 0.0], jnp.float32)),
+                           r"v_scale must be positive and finite"),
+    "scales with an f32 cache": (lambda a: dict(k_pages=a["k_f32"], v_pages=a["k_f32"]),
+                                 r"k_scale is given but the cache \(k_pages\) is float32"),
+    "unsupported cache dtype": (lambda a: dict(k_pages=a["k_pages"].astype(jnp.float8_e5m2),
+                                               v_pages=a["v_pages"].astype(jnp.float8_e5m2)),
+                                r"k_pages must have dtype one of float32, bfloat16, float8_e4m3fn, int8, got float8_e5m2"),
+    "k and v dtypes differ": (lambda a: dict(v_pages=a["v_pages"].astype(jnp.int8)),
+                              r"k_pages and v_pages must share a dtype"),
+}
+
+
+@pytest.mark.parametrize("name", QUANT_BAD)
+def test_quantized_bad_input_errors_name_the_argument(load_kernel, name):
+    k = load_kernel("paged_attention")
+    change, message = QUANT_BAD[name]
+    args, (ks, vs), _ = quantized_case(make_case([2, 1, 3], [9, 30, 5]), "float8_e4m3fn")
+    q, kp, vp, lens, table, cu, _ = args
+    a = dict(q=q, k_pages=kp, v_pages=vp, kv_lens=lens, page_indices=table, cu_q_lens=cu, k_scale=ks, v_scale=vs)
+    a.update(change({**a, "k_f32": jnp.zeros(kp.shape, jnp.float32)}))
+    with pytest.raises((ValueError, TypeError), match=message):
+        k.pallas.ragged_paged_attention(**a)
+    w = dict(a, new_k=q[:, :2], new_v=q[:, 2:])
+    del w["q"]
+    with pytest.raises((ValueError, TypeError), match=message):
+        k.pallas.write_kv(**w)
+    t = dict(zip(a, _torch(*a.values())))
+    with pytest.raises((ValueError, TypeError), match=message):  # the torch op checks on the host too
+        k.ragged_paged_attention(**t)
+    tw = dict(t, new_k=t["q"][:, :2].contiguous(), new_v=t["q"][:, 2:].contiguous())
+    del tw["q"]
+    with pytest.raises((ValueError, TypeError), match=message):
+        k.write_kv_(**{n.replace("_pages", "_cache"): v for n, v in tw.items()})
 
 
 # --------------------------------------------------------------------------- torch op, strict interpreter
@@ -210,8 +440,20 @@ def test_write_kv_in_place_writes_the_new_rows_only(load_kernel, index_dtype):
     assert torch.equal(kc, before)
 
 
+_BITS = {"bfloat16": (np.int16, torch.bfloat16), "float8_e4m3fn": (np.uint8, torch.float8_e4m3fn),
+         "float8_e5m2": (np.uint8, torch.float8_e5m2)}
+
+
 def _torch(*arrays):
-    return [None if a is None else torch.from_numpy(np.array(a)) for a in arrays]
+    """Host copies as torch tensors; dtypes numpy lacks (bf16, fp8: ml_dtypes) via their bits."""
+    out = []
+    for a in arrays:
+        a = None if a is None else np.array(a)
+        if a is not None and a.dtype.name in _BITS:
+            bits, dtype = _BITS[a.dtype.name]
+            a = torch.from_numpy(a.view(bits)).view(dtype)
+        out.append(None if a is None else torch.from_numpy(a) if isinstance(a, np.ndarray) else a)
+    return out
 
 
 def test_write_kv_refuses_two_new_tokens_in_one_cache_slot(load_kernel):

@@ -1,11 +1,13 @@
 """paged-attention-tpu: ragged paged attention (continuous batching) as a Pallas TPU kernel.
 
 * ``ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=0.0, window=0,
-  softcap=0.0, block_q=0, block_kv=512)``: torch op (scale 0.0 = head_dim**-0.5); see
-  ``pallas.ragged_paged_attention`` for layouts.
-* ``write_kv(...)`` -> (k_pages', v_pages'): functional torch op writing new tokens into their pages
-  (the JAX kernel aliases the cache: in place under jit with donation; as a functional torch op it
-  returns new caches); ``write_kv_`` updates the torch caches in place, writing only the new rows.
+  softcap=0.0, block_q=0, block_kv=512, k_scale=None, v_scale=None)``: torch op (scale 0.0 = head_dim**-0.5);
+  see ``pallas.ragged_paged_attention`` for layouts. A float8_e4m3fn or int8 cache takes k_scale/v_scale
+  (float32 [Hkv], one per KV head).
+* ``write_kv(..., k_scale=None, v_scale=None)`` -> (k_pages', v_pages'): functional torch op writing new
+  tokens into their pages (the JAX kernel aliases the cache: in place under jit with donation; as a
+  functional torch op it returns new caches); ``write_kv_`` updates the torch caches in place, writing
+  only the new rows. Both quantize the new rows for a quantized cache (``quantize_kv``).
 * ``paged_attention_forward``: the transformers attention function for continuous batching,
   ``enable_continuous_batching()``: registers it (see CARD.md).
 """
@@ -15,24 +17,43 @@ import jax.numpy as jnp
 import torch
 
 from . import pallas
-from ._bridge import jax_op
+from ._bridge import check_array, jax_op
 from ._ops import add_op_namespace_prefix
 from .transformers_cb import CB_NAME, enable_continuous_batching, paged_attention_forward
 
 
 def _fake_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=0.0, window=0,
-                    softcap=0.0, block_q=0, block_kv=512):
+                    softcap=0.0, block_q=0, block_kv=512, k_scale=None, v_scale=None):
     return torch.empty_like(q)
 
 
-def _fake_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens):
+def _fake_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens, k_scale=None, v_scale=None):
     return torch.empty_like(k_pages), torch.empty_like(v_pages)
+
+
+def _quantize_kv(x: jax.Array, scale: jax.Array, dtype: str) -> jax.Array:
+    return pallas.quantize(x, scale, jnp.dtype(dtype))
+
+
+def _validate_quantize(x, scale, dtype):
+    if dtype not in pallas.QUANTIZED_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(pallas.QUANTIZED_DTYPES)}, got {dtype!r}")
+    check_array("x", x, dtypes=pallas.KV_DTYPES, ndim=3)
+    check_array("scale", scale, dtypes=("float32",), ndim=1)
+    if tuple(scale.shape) != (x.shape[1],):
+        raise ValueError(f"scale must have shape ({x.shape[1]},) (one per KV head of x [T, Hkv, D]), "
+                         f"got {tuple(scale.shape)}")
 
 
 ragged_paged_attention = jax_op(add_op_namespace_prefix("ragged_paged_attention"), pallas.ragged_paged_attention,
                                 fake=_fake_attention, validate=pallas.validate)
 write_kv = jax_op(add_op_namespace_prefix("write_kv"), pallas.write_kv, fake=_fake_write,
                   returns=tuple[torch.Tensor, torch.Tensor], validate=pallas.validate_write)
+quantize_kv = jax_op(add_op_namespace_prefix("quantize_kv"), _quantize_kv,
+                     fake=lambda x, scale, dtype: torch.empty(x.shape, dtype=getattr(torch, dtype), device=x.device),
+                     validate=_validate_quantize)
+quantize_kv.__doc__ = """quantize_kv(x [T, Hkv, D], scale [Hkv] float32, dtype "float8_e4m3fn" | "int8"): what write_kv
+stores for new rows x (``pallas.quantize``: x / scale per KV head, nearest with ties to even, saturated)."""
 
 
 def _write_targets(kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array, tokens: int, num_pages: int,
@@ -56,7 +77,7 @@ _write_targets_op = jax_op(
     returns=tuple[torch.Tensor, torch.Tensor, torch.Tensor])
 
 
-def write_kv_(k_cache, v_cache, new_k, new_v, kv_lens, page_indices, cu_q_lens):
+def write_kv_(k_cache, v_cache, new_k, new_v, kv_lens, page_indices, cu_q_lens, k_scale=None, v_scale=None):
     """Write the new tokens [T, Hkv, D] into the torch caches ``k_cache``/``v_cache`` in place.
 
     The targets are computed on the tensors' device (``pallas.write_slots`` in a small op), then one
@@ -65,12 +86,16 @@ def write_kv_(k_cache, v_cache, new_k, new_v, kv_lens, page_indices, cu_q_lens):
     buffer (transformers' paged cache interleaves the layers' K and V pages). TorchTPU runs in-place
     ops on a tensor or a view with its buffer donated (in-place buffer donation, on by default), so
     the cache is updated where it lies. The Pallas write kernel is ``write_kv`` (functional; in place
-    for JAX callers that donate the caches under jit).
+    for JAX callers that donate the caches under jit). A quantized cache (float8_e4m3fn, int8) takes
+    ``k_scale``/``v_scale`` [Hkv] float32 and gets the rows quantized by ``quantize_kv``.
     """
-    pallas.validate_write(k_cache, v_cache, new_k, new_v, kv_lens, page_indices, cu_q_lens)
+    pallas.validate_write(k_cache, v_cache, new_k, new_v, kv_lens, page_indices, cu_q_lens, k_scale, v_scale)
     tokens = new_k.shape[0]
     if tokens == 0 or k_cache.shape[0] == 0:  # nothing to write, or no page to write into
         return
+    if k_scale is not None:
+        dtype = str(k_cache.dtype).removeprefix("torch.")
+        new_k, new_v = quantize_kv(new_k, k_scale, dtype), quantize_kv(new_v, v_scale, dtype)
     pid, off, source = _write_targets_op(kv_lens, page_indices, cu_q_lens, tokens, k_cache.shape[0],
                                          k_cache.shape[1])
     write = (source >= 0)[:, None, None]
@@ -79,5 +104,5 @@ def write_kv_(k_cache, v_cache, new_k, new_v, kv_lens, page_indices, cu_q_lens):
 
 
 REGISTRATIONS = [{"registry": "paged_attention", "name": CB_NAME, "function": "paged_attention_forward"}]
-__all__ = ["ragged_paged_attention", "write_kv", "write_kv_", "paged_attention_forward",
+__all__ = ["ragged_paged_attention", "write_kv", "write_kv_", "quantize_kv", "paged_attention_forward",
            "enable_continuous_batching", "CB_NAME", "pallas"]

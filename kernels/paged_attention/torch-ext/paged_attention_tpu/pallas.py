@@ -3,7 +3,9 @@
 Layout (transformers' PagedAttentionCache page views, so its block tables index them directly):
   q            [T, Hq, D]          new queries of all sequences, packed; sequence s owns rows
                                    cu_q_lens[s]:cu_q_lens[s+1] (rows past cu_q_lens[-1] are padding -> 0)
-  k/v_pages    [P, page, Hkv, D]   the paged cache (bf16 or f32), never copied or gathered
+  k/v_pages    [P, page, Hkv, D]   the paged cache, never copied or gathered: q's dtype (bf16 or f32), or
+                                   quantized (float8_e4m3fn or int8) with k_scale/v_scale
+  k/v_scale    [Hkv] float32       quantized caches only: stored value x scale[h] = the K/V value of KV head h
   kv_lens      [S] int32           tokens in sequence s's cache, the new ones included (they are its last)
   page_indices [S, pps] int32      page table; only the first cdiv(kv_lens[s], page) entries are read
   cu_q_lens    [S+1] int32         0 = cu[0] <= cu[1] <= ... <= T
@@ -18,6 +20,12 @@ flight while chunk c is computed. Whole pages [page, Hkv, D] are copied (one con
 every KV head is computed from them, so GQA never repeats K/V. The page table stays in HBM and each
 item copies its own row into SMEM (a 256-sequence x 32k-token table does not fit in 1 MiB of SMEM).
 Queries are regrouped by the wrapper to [Hkv, T*G, D] (G = Hq/Hkv) so each head's block is 2-D.
+
+Quantized caches (float8_e4m3fn, int8). HBM holds and the DMAs move the 1-byte values; in VMEM each
+head's chunk is converted to q's dtype (exact: every e4m3 and int8 value is a bf16 value) and the
+scales, one per KV head, are folded into f32 scalars: scores take scale * k_scale[h], the finished
+output row is multiplied by v_scale[h]. That is exactly attention over the dequantized cache, with
+the same bf16/f32 math as an unquantized cache. ``write_kv`` quantizes the new rows (``quantize``).
 
 Every index the device computes is clamped (page ids into [0, P), table columns into [0, pps),
 cumulative lengths into [0, T] and made monotone), so bad metadata can give wrong numbers but never
@@ -38,7 +46,12 @@ from jax.experimental.pallas import tpu as pltpu
 from . import _attention_math as am
 from ._bridge import check_array, dtype_name, host_values
 
-KV_DTYPES = ("float32", "bfloat16")
+KV_DTYPES = ("float32", "bfloat16")  # q, sinks, unquantized caches, new K/V
+QUANTIZED_DTYPES = ("float8_e4m3fn", "int8")
+CACHE_DTYPES = KV_DTYPES + QUANTIZED_DTYPES
+# Saturation bounds: e4m3fn has no inf (a cast past its largest value, 448, gives NaN); int8 is kept
+# symmetric (-127..127), so x and -x quantize to opposite values.
+QUANT_MAX = {"float8_e4m3fn": 448.0, "int8": 127.0}
 INDEX_DTYPES = ("int32", "int64")
 MiB = 1 << 20
 
@@ -46,11 +59,11 @@ MiB = 1 << 20
 # --------------------------------------------------------------------------- validation
 
 def validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=0.0, window=0,
-             softcap=0.0, block_q=0, block_kv=512):
+             softcap=0.0, block_q=0, block_kv=512, k_scale=None, v_scale=None):
     """Raise ValueError/TypeError naming the bad argument; checks values too when they are on the host."""
     check_array("q", q, dtypes=KV_DTYPES, ndim=3)
-    check_array("k_pages", k_pages, dtypes=KV_DTYPES, ndim=4)
-    check_array("v_pages", v_pages, dtypes=KV_DTYPES, ndim=4)
+    check_array("k_pages", k_pages, dtypes=CACHE_DTYPES, ndim=4)
+    check_array("v_pages", v_pages, dtypes=CACHE_DTYPES, ndim=4)
     check_array("kv_lens", kv_lens, dtypes=INDEX_DTYPES, ndim=1)
     check_array("page_indices", page_indices, dtypes=INDEX_DTYPES, ndim=2)
     check_array("cu_q_lens", cu_q_lens, dtypes=INDEX_DTYPES, ndim=1)
@@ -58,18 +71,22 @@ def validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, 
     num_pages, page, hkv, dk = k_pages.shape
     if tuple(v_pages.shape) != tuple(k_pages.shape):
         raise ValueError(f"v_pages must have the shape of k_pages {tuple(k_pages.shape)}, got {tuple(v_pages.shape)}")
-    if dtype_name(k_pages) != dtype_name(v_pages) or dtype_name(q) != dtype_name(k_pages):
-        raise TypeError(f"q, k_pages and v_pages must share a dtype, got {dtype_name(q)}, "
-                        f"{dtype_name(k_pages)}, {dtype_name(v_pages)}")
+    if dtype_name(k_pages) != dtype_name(v_pages):
+        raise TypeError(f"k_pages and v_pages must share a dtype, got {dtype_name(k_pages)} and {dtype_name(v_pages)}")
+    if dtype_name(k_pages) not in QUANTIZED_DTYPES and dtype_name(q) != dtype_name(k_pages):
+        raise TypeError(f"q, k_pages and v_pages must share a dtype (or the cache be quantized: "
+                        f"{' or '.join(QUANTIZED_DTYPES)}), got {dtype_name(q)}, {dtype_name(k_pages)}, "
+                        f"{dtype_name(v_pages)}")
+    validate_scales(k_pages, k_scale, v_scale)
     if dk != d:
         raise ValueError(f"head_dim of q ({d}) and of k_pages ({dk}) differ")
     if hkv == 0 or hq % hkv:
         raise ValueError(f"q heads ({hq}) must be a multiple of the KV heads of k_pages ({hkv})")
     if not 1 <= page <= 1024:
         raise ValueError(f"page size (k_pages.shape[1]) must be in [1, 1024], got {page}")
-    sub = 16 if dtype_name(k_pages) == "bfloat16" else 8
+    sub = 16 if dtype_name(q) == "bfloat16" else 8  # pages are merged into rows in q's dtype (the compute dtype)
     if page % sub:
-        raise ValueError(f"page size (k_pages.shape[1]) must be a multiple of {sub} for {dtype_name(k_pages)} "
+        raise ValueError(f"page size (k_pages.shape[1]) must be a multiple of {sub} for {dtype_name(q)} queries "
                          f"(TPU sublane tile), got {page}")
     num_seqs, pps = page_indices.shape
     if tuple(kv_lens.shape) != (num_seqs,):
@@ -118,6 +135,39 @@ def validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, 
                 raise ValueError(f"page_indices[{s}, {j}]={int(table[s, j])} is out of range [0, {num_pages}) "
                                  f"(k_pages holds {num_pages} pages; sequence {s} needs its first "
                                  f"{int(-(-lens[s] // page))} entries)")
+
+
+def validate_scales(k_pages, k_scale, v_scale):
+    """A quantized cache needs k_scale and v_scale, float32 [Hkv] (one per KV head), positive and finite
+    when their values are on the host; an unquantized cache takes none."""
+    cache = dtype_name(k_pages)
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if cache not in QUANTIZED_DTYPES:
+            if s is not None:
+                raise TypeError(f"{name} is given but the cache (k_pages) is {cache}: scales belong to a quantized "
+                                f"cache ({' or '.join(QUANTIZED_DTYPES)}); pass {name}=None")
+            continue
+        if s is None:
+            raise ValueError(f"the cache (k_pages) is {cache}, a quantized dtype: {name} (float32 [Hkv], one scale "
+                             f"per KV head) is required")
+        check_array(name, s, dtypes=("float32",), ndim=1)
+        if tuple(s.shape) != (k_pages.shape[2],):
+            raise ValueError(f"{name} must have shape ({k_pages.shape[2]},) (one scale per KV head of k_pages), "
+                             f"got {tuple(s.shape)}")
+        values = host_values(s)
+        if values is not None and not (np.isfinite(values) & (values > 0)).all():
+            raise ValueError(f"{name} must be positive and finite, got {values.tolist()}")
+
+
+def quantize(x, scale, dtype):
+    """x [..., Hkv, D] as ``dtype`` (float8_e4m3fn or int8) with one scale per KV head (scale [Hkv]):
+    x / scale, rounded to nearest (ties to even) and saturated to +-448 (e4m3fn) or +-127 (int8)."""
+    name = jnp.dtype(dtype).name
+    bound = QUANT_MAX[name]
+    y = x.astype(jnp.float32) / scale.astype(jnp.float32)[:, None]
+    if name == "int8":
+        y = jnp.round(y)  # jnp.round: ties to even, like the float8 cast
+    return jnp.clip(y, -bound, bound).astype(dtype)
 
 
 # --------------------------------------------------------------------------- work items
@@ -173,10 +223,10 @@ def _div(a, b):
 
 
 def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch (SMEM)
-            q_ref, table_hbm, k_hbm, v_hbm, sinks_ref,  # inputs
+            q_ref, table_hbm, k_hbm, v_hbm, sinks_ref, scales_ref,  # inputs
             o_ref,  # output block [Hkv, R, D]
             table_smem, kbuf, vbuf, sems, table_sem, m_ref, l_ref, acc_ref,  # scratch
-            *, scale, window, softcap, block_q, group, pages_per_block, sub_rows, has_sinks):
+            *, scale, window, softcap, block_q, group, pages_per_block, sub_rows, has_sinks, quantized):
     item = pl.program_id(0)
     seq, tile = item_seq_ref[item], item_tile_ref[item]
     num_pages, page = k_hbm.shape[0], k_hbm.shape[1]
@@ -275,9 +325,13 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
                 @pl.when(chunk_start <= last_q)  # blocks entirely above the causal diagonal: nothing to see
                 def _():
                     for h in range(hkv):
-                        k = kbuf[slot, :, :, h, :].reshape(chunk, d)
-                        v = jnp.where(v_ok, vbuf[slot, :, :, h, :].reshape(chunk, d), 0)
-                        sc = am.scores(q_ref[h, rs, :], k, scale=scale, softcap=softcap or None)
+                        k, v = kbuf[slot, :, :, h, :], vbuf[slot, :, :, h, :]
+                        if quantized:  # dequantize in VMEM: exact in q's dtype, k_scale joins the score scale
+                            k, v = k.astype(q_ref.dtype), v.astype(q_ref.dtype)
+                        k = k.reshape(chunk, d)
+                        v = jnp.where(v_ok, v.reshape(chunk, d), 0)
+                        k_scale = scale * scales_ref[h] if quantized else scale
+                        sc = am.scores(q_ref[h, rs, :], k, scale=k_scale, softcap=softcap or None)
                         m, l, acc = am.online_softmax_step(m_ref[h, rs, :], l_ref[h, rs, :], acc_ref[h, rs, :],
                                                            sc, ok, v)
                         m_ref[h, rs, :], l_ref[h, rs, :], acc_ref[h, rs, :] = m, l, acc
@@ -298,6 +352,8 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
                     for g in range(1, group):
                         sink = jnp.where(jax.lax.rem(r, group) == g, sinks_ref[h * group + g], sink)
                 out, _ = am.finalize(m_ref[h, rs, :], l_ref[h, rs, :], acc_ref[h, rs, :], sink)
+                if quantized:  # every value of head h carries v_scale[h]: scale the finished row once
+                    out = out * scales_ref[hkv + h]
                 o_ref[h, rs, :] = jnp.where(mine, out.astype(o_ref.dtype), o_ref[h, rs, :])
             return carry
 
@@ -338,6 +394,8 @@ def ragged_paged_attention(
     softcap: float = 0.0,
     block_q: int = 0,
     block_kv: int = 512,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> jax.Array:
     """Attention of packed ragged queries over a paged KV cache; returns [T, Hq, D] in q's dtype.
 
@@ -346,8 +404,12 @@ def ragged_paged_attention(
     ``block_q`` query tokens per tile (0 = about 1024 rows), ``block_kv`` tokens fetched per DMA
     chunk (rounded to whole pages). Zero sizes: no query rows -> [0, Hq, D]; no sequences, an empty
     page table or an empty cache -> zeros (no row has a key to attend).
+
+    A quantized cache (``k_pages``/``v_pages`` float8_e4m3fn or int8, written by ``write_kv``) needs
+    ``k_scale`` and ``v_scale``, float32 [Hkv]: the cache stands for k_pages * k_scale[h] (per KV head).
     """
-    validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks, scale, window, softcap, block_q, block_kv)
+    validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks, scale, window, softcap, block_q, block_kv,
+             k_scale, v_scale)
     if q.size == 0 or k_pages.size == 0 or page_indices.size == 0:
         return jnp.zeros(q.shape, q.dtype)
     t, hq, d = q.shape
@@ -369,10 +431,13 @@ def ragged_paged_attention(
     qg = jnp.pad(q, ((0, t_pad - t), (0, 0), (0, 0))).reshape(t_pad, hkv, group, d)
     qg = qg.transpose(1, 0, 2, 3).reshape(hkv, t_pad * group, d)
     sinks_f32 = (jnp.zeros((hq,), jnp.float32) if sinks is None else sinks.astype(jnp.float32))
+    quantized = k_scale is not None
+    scales = jnp.concatenate([k_scale, v_scale]) if quantized else jnp.ones((2 * hkv,), jnp.float32)  # SMEM
 
     kernel = functools.partial(
         _kernel, scale=am.resolve_scale(scale, d), window=int(window), softcap=float(softcap), block_q=bq, group=group,
-        pages_per_block=pages_per_block, sub_rows=_sub_rows(rows, q.dtype), has_sinks=sinks is not None)
+        pages_per_block=pages_per_block, sub_rows=_sub_rows(rows, q.dtype), has_sinks=sinks is not None,
+        quantized=quantized)
     block = pl.BlockSpec((hkv, rows, d), lambda i, lens, cu, tiles, seqs: (0, tiles[i], 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     vmem = vmem_estimate(rows, hkv, d, page, pages_per_block, k_pages.dtype)
@@ -382,7 +447,8 @@ def ragged_paged_attention(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4,
             grid=(item_tile.shape[0],),
-            in_specs=[block, any_spec, any_spec, any_spec, pl.BlockSpec(memory_space=pltpu.SMEM)],
+            in_specs=[block, any_spec, any_spec, any_spec, pl.BlockSpec(memory_space=pltpu.SMEM),
+                      pl.BlockSpec(memory_space=pltpu.SMEM)],
             out_specs=block,
             scratch_shapes=[
                 pltpu.SMEM((pps,), jnp.int32),
@@ -401,18 +467,23 @@ def ragged_paged_attention(
         ),
         name="ragged_paged_attention",
     )(kv_lens.astype(jnp.int32), cu, item_tile, item_seq,
-      qg, page_indices.astype(jnp.int32), k_pages, v_pages, sinks_f32)
+      qg, page_indices.astype(jnp.int32), k_pages, v_pages, sinks_f32, scales.astype(jnp.float32))
     out = out.reshape(hkv, t_pad, group, d).transpose(1, 0, 2, 3).reshape(t_pad, hq, d)
     return out[:t]
 
 
 # --------------------------------------------------------------------------- reference
 
-def reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=0.0, window=0, softcap=0.0):
+def reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=0.0, window=0, softcap=0.0,
+              k_scale=None, v_scale=None):
     """Per-sequence loop on the host: gather each sequence's pages, dense _attention_math.reference_attention.
-    Independent of the kernel's tiling, DMA and work-item logic. Returns f32 [T, Hq, D]."""
+    Independent of the kernel's tiling, DMA and work-item logic. A quantized cache is dequantized on the
+    host first (numpy, values x scale per KV head). Returns f32 [T, Hq, D]."""
     t, hq, d = q.shape
     page = k_pages.shape[1]
+    if k_scale is not None:
+        k_pages = np.asarray(k_pages).astype(np.float32) * np.asarray(k_scale, np.float32)[:, None]
+        v_pages = np.asarray(v_pages).astype(np.float32) * np.asarray(v_scale, np.float32)[:, None]
     cu, lens, table = np.asarray(cu_q_lens), np.asarray(kv_lens), np.asarray(page_indices)
     out = np.zeros((t, hq, d), np.float32)
     for s in range(len(lens)):
@@ -432,18 +503,21 @@ def reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None,
 
 # --------------------------------------------------------------------------- writing new K/V into pages
 
-def validate_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens):
+def validate_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens, k_scale=None, v_scale=None):
     check_array("new_k", new_k, dtypes=KV_DTYPES, ndim=3)
     check_array("new_v", new_v, dtypes=KV_DTYPES, ndim=3)
+    check_array("k_pages", k_pages, dtypes=CACHE_DTYPES, ndim=4)
     _, _, hkv, d = k_pages.shape
     if tuple(new_k.shape[1:]) != (hkv, d) or tuple(new_v.shape) != tuple(new_k.shape):
         raise ValueError(f"new_k and new_v must have shape [T, {hkv}, {d}] (the cache's heads and head_dim), "
                          f"got {tuple(new_k.shape)} and {tuple(new_v.shape)}")
-    if dtype_name(new_k) != dtype_name(k_pages) or dtype_name(new_v) != dtype_name(k_pages):
+    if dtype_name(new_k) != dtype_name(new_v):
+        raise TypeError(f"new_k and new_v must share a dtype, got {dtype_name(new_k)} and {dtype_name(new_v)}")
+    if dtype_name(k_pages) not in QUANTIZED_DTYPES and dtype_name(new_k) != dtype_name(k_pages):
         raise TypeError(f"new_k/new_v must have the cache dtype {dtype_name(k_pages)}, "
                         f"got {dtype_name(new_k)}/{dtype_name(new_v)}")
     # Same metadata rules as attention (q stands in for the new tokens: same rows).
-    validate(new_k, k_pages, v_pages, kv_lens, page_indices, cu_q_lens)
+    validate(new_k, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, k_scale=k_scale, v_scale=v_scale)
     _check_distinct_slots(host_values(kv_lens), host_values(page_indices), host_values(cu_q_lens), new_k.shape[0],
                           *k_pages.shape[:2])
 
@@ -523,15 +597,21 @@ def write_kv(
     kv_lens: jax.Array,
     page_indices: jax.Array,
     cu_q_lens: jax.Array,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The caches with each sequence's new tokens [T, Hkv, D] written at positions
     kv_lens - q_len ... kv_lens - 1 of its pages. Outputs alias the cache inputs
     (input_output_aliases): under jit with donated caches this is an in-place update, one
     [Hkv, D] DMA per token, HBM to HBM. Two new tokens may not share a cache slot (refused when
-    the metadata is on the host). No new tokens or no sequences: the caches unchanged."""
-    validate_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens)
+    the metadata is on the host). No new tokens or no sequences: the caches unchanged.
+    A quantized cache (float8_e4m3fn or int8) takes bf16/f32 new rows and ``k_scale``/``v_scale``
+    [Hkv] float32; the rows are quantized first (``quantize``: x / scale, nearest, saturated)."""
+    validate_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens, k_scale, v_scale)
     if new_k.shape[0] == 0 or page_indices.size == 0 or k_pages.size == 0:
         return k_pages, v_pages
+    if k_scale is not None:  # [T, Hkv, D], a small elementwise op before the DMAs move 1-byte rows
+        new_k, new_v = quantize(new_k, k_scale, k_pages.dtype), quantize(new_v, v_scale, v_pages.dtype)
     t = new_k.shape[0]
     num_pages, page = k_pages.shape[:2]
     pid, off = write_slots(kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32),
@@ -549,7 +629,8 @@ def write_kv(
 
 
 def reference_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens):
-    """Host loop: numpy copies of the caches with the new tokens written."""
+    """Host loop: numpy copies of the caches with the new tokens written (new_k/new_v already in the
+    cache dtype: quantize them first for a quantized cache)."""
     k, v = np.array(k_pages), np.array(v_pages)
     page = k.shape[1]
     cu, lens, table = np.asarray(cu_q_lens), np.asarray(kv_lens), np.asarray(page_indices)
