@@ -48,11 +48,14 @@ def scores(q, k, *, scale: float, softcap: float | None):
 
 
 def online_softmax_step(m, l, acc, s, ok, v):
-    """Fold one block of logits ``s`` [q, k] (``ok`` masks it) and values ``v`` [k, d] into the
-    running max ``m`` [q, 1], denominator ``l`` [q, 1] and f32 accumulator ``acc`` [q, d]."""
-    s = jnp.where(ok, s, MASK_VALUE)
+    """Fold one block of logits ``s`` [q, k] (``ok`` masks it; None: every pair may attend) and values
+    ``v`` [k, d] into the running max ``m`` [q, 1], denominator ``l`` [q, 1] and f32 accumulator ``acc`` [q, d]."""
+    if ok is not None:
+        s = jnp.where(ok, s, MASK_VALUE)
     m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
-    p = jnp.where(ok, jnp.exp(s - m_new), 0.0)
+    p = jnp.exp(s - m_new)
+    if ok is not None:  # a row with nothing allowed yet has m_new = MASK_VALUE: exp(0) must not count
+        p = jnp.where(ok, p, 0.0)
     alpha = jnp.exp(m - m_new)
     l_new = alpha * l + p.sum(axis=-1, keepdims=True)
     pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)

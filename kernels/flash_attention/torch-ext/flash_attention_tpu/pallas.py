@@ -229,6 +229,19 @@ def _tile_needed(seq_ref, b, qi, col0, cols, *, bq, causal, window):
     return nonempty & (col0 <= k_hi) & (col0 + cols > k_lo)
 
 
+def _tile_full(seq_ref, b, qi, col0, cols, *, bq, causal, window):
+    """Does every row of q block qi see every key in [col0, col0 + cols) (scalar): no mask to apply."""
+    kv_start, kv_end, q_len = seq_ref[3 * b], seq_ref[3 * b + 1], seq_ref[3 * b + 2]
+    row_lo, row_hi = qi * bq, qi * bq + bq - 1
+    off = kv_end - q_len  # position of query row 0
+    full = (row_hi < q_len) & (col0 >= kv_start) & (col0 + cols <= kv_end)
+    if causal:
+        full &= col0 + cols - 1 <= off + row_lo
+    if window is not None:
+        full &= col0 > off + row_hi - window
+    return full
+
+
 def _rows(x, start, n, ragged):
     """x [size, D] holding rows start.. of a length-n axis, rows past n zeroed when ``ragged``: a ragged
     last block holds stale memory, and a NaN there would survive a zero weight (0 * NaN)."""
@@ -260,17 +273,21 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
 
     # K/V blocks are big (few steps, long DMAs) but computed in tiles of bkc keys, skipping tiles no
     # row of this q block sees: the causal diagonal then wastes at most one bq x bkc tile per q block.
+    # Only tiles that some (row, key) pair of cannot attend build and apply a mask (the diagonal, the
+    # padding edges, a given mask); the others, most of a long prefill, run the unmasked body.
     for c in range(bk // bkc):
         col0 = kj * bk + c * bkc
+        needed = ((flags & COMPUTE) != 0) & _tile_needed(seq_ref, b, qi, col0, bkc, bq=bq, causal=causal,
+                                                          window=window)
 
-        @pl.when(((flags & COMPUTE) != 0)
-                 & _tile_needed(seq_ref, b, qi, col0, bkc, bq=bq, causal=causal, window=window))
-        def _compute():
+        def compute(masked, c=c, col0=col0):
             tile = pl.ds(c * bkc, bkc)
-            ok = _positions(seq_ref, b, qi * bq, col0, rows=bq, cols=bkc, causal=causal, window=window,
-                            mask=None if mask_ref is None else mask_ref[:, tile])
+            ok = None
+            if masked:
+                ok = _positions(seq_ref, b, qi * bq, col0, rows=bq, cols=bkc, causal=causal, window=window,
+                                mask=None if mask_ref is None else mask_ref[:, tile])
             k = k_ref[tile, :]
-            v = _rows(v_ref[tile, :], col0, sk, sk % bk != 0)
+            v = _rows(v_ref[tile, :], col0, sk, masked and sk % bk != 0)  # a full tile lies inside Sk
 
             def head(g, carry):  # the G query heads of this KV group share the K/V tile
                 s = am.scores(q_ref[g], k, scale=scale, softcap=softcap)
@@ -279,6 +296,13 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
                 return carry
 
             jax.lax.fori_loop(0, groups, head, 0)
+
+        if mask_ref is None:
+            full = _tile_full(seq_ref, b, qi, col0, bkc, bq=bq, causal=causal, window=window)
+            pl.when(needed & full)(functools.partial(compute, False))
+            pl.when(needed & jnp.logical_not(full))(functools.partial(compute, True))
+        else:
+            pl.when(needed)(functools.partial(compute, True))
 
     @pl.when((flags & LAST) != 0)
     def _finalize():
