@@ -11,6 +11,8 @@ Semantics follow transformers:
   * a query row with no allowed key gives 0, never NaN.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -60,6 +62,45 @@ def online_softmax_step(m, l, acc, s, ok, v):
     l_new = alpha * l + p.sum(axis=-1, keepdims=True)
     pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return m_new, l_new, alpha * acc + pv
+
+
+LOG2E = math.log2(math.e)
+
+
+def scores_keys_major(k, q, *, scale: float, softcap: float | None):
+    """Logits transposed and in base 2: log2(e) * scores(q, k) as [k, q] f32 (keys on sublanes,
+    queries on lanes), so that exp2 of them needs no extra multiply (TPUs compute exp as exp2)."""
+    s = jax.lax.dot_general(k, q, (((k.ndim - 1,), (q.ndim - 1,)), ((), ())), preferred_element_type=jnp.float32)
+    if softcap is None:
+        return s * (scale * LOG2E)
+    return (softcap * LOG2E) * jnp.tanh(s * (scale / softcap))
+
+
+def online_softmax_step_keys_major(m, acc, t, ok, vt, *, exp_dtype=jnp.float32):
+    """online_softmax_step with keys on sublanes and queries on lanes, in base 2.
+
+    Folds logits ``t`` [k, q] (log2 units: ``scores_keys_major``; ``ok`` masks them, None: every pair
+    may attend) and ``vt`` [d + r, k] into the running max ``m`` [1, q] and the f32 accumulator
+    ``acc`` [d + r, q]. ``vt`` is V^T with r rows of ones below it: the MXU computes the softmax
+    denominator (row d of ``acc``) alongside (P @ V)^T, from the same rounded p, so no row sum is
+    left to the vector units; per-query statistics are lane-dense rows and the reductions run over
+    sublanes (no cross-lane work). ``exp_dtype`` bfloat16 evaluates exp2 at bf16 (chips with a
+    bf16 EUP): p is rounded to bf16 for the MXU anyway, and the argument's own rounding costs at
+    most ~2^-9 / e of the largest weight."""
+    if ok is not None:
+        t = jnp.where(ok, t, MASK_VALUE)
+    m_new = jnp.maximum(m, t.max(axis=0, keepdims=True))
+    p = jnp.exp2((t - m_new).astype(exp_dtype))
+    if ok is not None:  # a query with nothing allowed yet has m_new = MASK_VALUE: exp2(0) must not count
+        p = jnp.where(ok, p, jnp.zeros_like(p))
+    pv = jax.lax.dot_general(vt, p.astype(vt.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return m_new, jnp.exp2(m - m_new) * acc + pv
+
+
+def finalize_keys_major(m, acc, d: int, sink=None):
+    """``finalize`` of the keys-major state (m [1, q] in log2 units, acc [d + r, q] with the denominator
+    in row d): (out f32 [d, q], log-sum-exp [1, q])."""
+    return finalize(m * (1.0 / LOG2E), acc[d:d + 1], acc[:d], sink)
 
 
 def finalize(m, l, acc, sink=None):
