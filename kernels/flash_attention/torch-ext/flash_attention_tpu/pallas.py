@@ -50,6 +50,10 @@ DTYPES = ("float32", "bfloat16")
 HEAD_DIMS = (64, 128, 256)
 LANES = 128
 COMPUTE, FIRST, LAST = 1, 2, 4  # schedule flags
+# Chips whose forward takes exp in bf16 for bf16 inputs: v6e (bf16 EUP; half the exp pushes and pops,
+# ~2% per layer on the cost model). Not v5e (no bf16 VPU/EUP), nor TPU7x: it has them, but its
+# compiled schedule came out 0-2% longer with bf16 exp (benchmarks, pallas-hub bench runner).
+BF16_EXP_CHIPS = ("v6e",)
 
 # Per-chip defaults: (block_q, block_k, block_k for decode-sized q, vmem_limit_bytes). Blocks are
 # multiples of 128 (256-wide MXUs on v6e/TPU7x); a q block carries all G heads of a KV group, so
@@ -518,7 +522,7 @@ def _forward(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap, block
     kernel = functools.partial(
         _fwd_kernel, n_items=n_items, groups=g, bq=bq, bk=bk, bkc=_compute_tile(bq, bk), sk=sk, d=d, scale=scale,
         causal=causal, window=window, softcap=softcap, has_sinks=sinks is not None, has_mask=mask is not None,
-        with_lse=with_lse, exp_dtype=jnp.float32)
+        with_lse=with_lse, exp_dtype=_exp_dtype(q.dtype, chip))
     outs = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -533,6 +537,12 @@ def _forward(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap, block
     if with_lse:
         lse = (outs[1] if _keys_major(bq) else outs[1][..., 0]).reshape(b, hq, sq)
     return out, lse
+
+
+def _exp_dtype(dtype, chip):
+    """The dtype of the forward's exp: bf16 for bf16 inputs on BF16_EXP_CHIPS (p is rounded to bf16 for
+    the MXU either way), else f32."""
+    return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 and chip in BF16_EXP_CHIPS else jnp.float32
 
 
 def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window, softcap, block_q, block_k, chip):
