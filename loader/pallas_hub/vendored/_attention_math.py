@@ -87,20 +87,23 @@ def online_softmax_step_keys_major(m, acc, t, ok, vt, *, exp_dtype=jnp.float32):
     sublanes (no cross-lane work). ``exp_dtype`` bfloat16 evaluates exp2 at bf16 (chips with a
     bf16 EUP): p is rounded to bf16 for the MXU anyway, and the argument's own rounding costs at
     most ~2^-9 / e of the largest weight."""
-    if ok is not None:
+    if ok is not None:  # masked logits become MASK_VALUE exactly: exp2 of them is 0 once m_new is real
         t = jnp.where(ok, t, MASK_VALUE)
     m_new = jnp.maximum(m, t.max(axis=0, keepdims=True))
+    # A query with nothing allowed yet keeps m_new = MASK_VALUE and takes weight 1 for its masked
+    # keys: the next real key scales that away (alpha = 0), and finalize_keys_major empties a query
+    # that never saw one, so no second select is needed here.
     p = jnp.exp2((t - m_new).astype(exp_dtype))
-    if ok is not None:  # a query with nothing allowed yet has m_new = MASK_VALUE: exp2(0) must not count
-        p = jnp.where(ok, p, jnp.zeros_like(p))
     pv = jax.lax.dot_general(vt, p.astype(vt.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return m_new, jnp.exp2(m - m_new) * acc + pv
 
 
 def finalize_keys_major(m, acc, d: int, sink=None):
     """``finalize`` of the keys-major state (m [1, q] in log2 units, acc [d + r, q] with the denominator
-    in row d): (out f32 [d, q], log-sum-exp [1, q])."""
-    return finalize(m * (1.0 / LOG2E), acc[d:d + 1], acc[:d], sink)
+    in row d): (out f32 [d, q], log-sum-exp [1, q]). A query whose max is still MASK_VALUE saw no
+    allowed key: its denominator is 0 whatever was accumulated (its acc is then scaled to 0)."""
+    l = jnp.where(m > MASK_VALUE, acc[d:d + 1], 0.0)
+    return finalize(m * (1.0 / LOG2E), l, acc[:d], sink)
 
 
 def finalize(m, l, acc, sink=None):

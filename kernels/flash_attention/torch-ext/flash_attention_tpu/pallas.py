@@ -229,11 +229,18 @@ def _positions(seq_ref, b, row0, col0, *, rows, cols, causal, window, mask=None,
     r_axis, k_axis = (1, 0) if keys_major else (0, 1)
     r = row0 + jax.lax.broadcasted_iota(jnp.int32, (1, rows) if keys_major else (rows, 1), r_axis)
     k_pos = col0 + jax.lax.broadcasted_iota(jnp.int32, (cols, 1) if keys_major else (1, cols), k_axis)
-    ok = am.allowed(kv_end - q_len + r, k_pos, causal=causal, window=window)
-    ok = ok & (r < q_len) & (k_pos >= kv_start) & (k_pos < kv_end)
+    q_pos = kv_end - q_len + r
+    row_ok, key_ok = r < q_len, (k_pos >= kv_start) & (k_pos < kv_end)
+    if causal:  # padding folded into the positions (vectors): one compare per pair tests everything
+        ok = am.allowed(jnp.where(row_ok, q_pos, -_FAR), jnp.where(key_ok, k_pos, _FAR), causal=True, window=window)
+    else:
+        ok = am.allowed(q_pos, k_pos, causal=False, window=window) & row_ok & key_ok
     if mask is not None:  # given [rows, cols]
         ok = ok & ((mask.astype(jnp.int32).T if keys_major else mask) != 0)
     return ok
+
+
+_FAR = 1 << 30  # a position no query or key reaches (a padded one is moved there)
 
 
 def _tile_needed(seq_ref, b, qi, col0, cols, *, bq, causal, window):
@@ -308,10 +315,16 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
 
         def compute(masked, c=c, col0=col0):
             tile = pl.ds(c * bkc, bkc)
-            ok = None
-            if masked:
-                ok = _positions(seq_ref, b, qi * bq, col0, rows=bq, cols=bkc, causal=causal, window=window,
-                                mask=None if mask_ref is None else mask_ref[:, tile], keys_major=keys_major)
+
+            def positions():
+                if not masked:
+                    return None
+                return _positions(seq_ref, b, qi * bq, col0, rows=bq, cols=bkc, causal=causal, window=window,
+                                  mask=None if mask_ref is None else mask_ref[:, tile], keys_major=keys_major)
+
+            # keys-major: the mask is two vectors and a compare, cheaper to redo per head than to keep
+            # a tile-sized mask in VMEM and reload it; row-major (short rows): built once per tile
+            ok = None if keys_major else positions()
             k = k_ref[tile, :]
             v = _rows(v_ref[tile, :], col0, sk, masked and sk % bk != 0)  # a full tile lies inside Sk
             if keys_major:  # V^T and ones rows (the MXU sums the denominator), shared by the G heads
@@ -320,7 +333,7 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
             def head(g, carry):  # the G query heads of this KV group share the K/V tile
                 if keys_major:
                     t = am.scores_keys_major(k, q_ref[g], scale=scale, softcap=softcap)
-                    m_sc[g], acc_sc[g] = am.online_softmax_step_keys_major(m_sc[g], acc_sc[g], t, ok, vt,
+                    m_sc[g], acc_sc[g] = am.online_softmax_step_keys_major(m_sc[g], acc_sc[g], t, positions(), vt,
                                                                            exp_dtype=exp_dtype)
                 else:
                     s = am.scores(q_ref[g], k, scale=scale, softcap=softcap)
