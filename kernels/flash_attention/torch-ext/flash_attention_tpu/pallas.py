@@ -330,7 +330,7 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
             if keys_major:  # V^T and ones rows (the MXU sums the denominator), shared by the G heads
                 vt = jnp.concatenate([v.T, jnp.ones((ONES_ROWS, bkc), v.dtype)], axis=0)
 
-            def head(g, carry):  # the G query heads of this KV group share the K/V tile
+            def head(g):  # the G query heads of this KV group share the K/V tile
                 if keys_major:
                     t = am.scores_keys_major(k, q_ref[g], scale=scale, softcap=softcap)
                     m_sc[g], acc_sc[g] = am.online_softmax_step_keys_major(m_sc[g], acc_sc[g], t, positions(), vt,
@@ -338,9 +338,17 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
                 else:
                     s = am.scores(q_ref[g], k, scale=scale, softcap=softcap)
                     m_sc[g], l_sc[g], acc_sc[g] = am.online_softmax_step(m_sc[g], l_sc[g], acc_sc[g], s, ok, v)
+
+            # keys-major: two heads per iteration, so the scheduler can run one head's matmuls under
+            # the other's softmax (independent work in one basic block)
+            per = 2 if keys_major and groups % 2 == 0 else 1
+
+            def heads(i, carry):
+                for j in range(per):
+                    head(i * per + j)
                 return carry
 
-            jax.lax.fori_loop(0, groups, head, 0)
+            jax.lax.fori_loop(0, groups // per, heads, 0)
 
         if mask_ref is None:
             full = _tile_full(seq_ref, b, qi, col0, bkc, bq=bq, causal=causal, window=window)
