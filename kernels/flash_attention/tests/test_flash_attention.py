@@ -33,12 +33,13 @@ def _inputs(b, hq, hkv, sq, sk, d, dtype=jnp.float32, seed=0):
     return q, k, v, sinks
 
 
-def _check_forward(fa, b, hq, hkv, sq, sk, d, *, dtype=jnp.float32, use_sinks=False, seq=None, mask=None, **kw):
+def _check_forward(fa, b, hq, hkv, sq, sk, d, *, dtype=jnp.float32, use_sinks=False, seq=None, mask=None, chip="",
+                   **kw):
     q, k, v, sinks = _inputs(b, hq, hkv, sq, sk, d, dtype)
     sinks = sinks if use_sinks else None
     seq = None if seq is None else jnp.asarray(seq, jnp.int32)
     with interpret("fast"):
-        out = fa.pallas.flash_attention(q, k, v, sinks, seq, mask, chip="", **kw)
+        out = fa.pallas.flash_attention(q, k, v, sinks, seq, mask, chip=chip, **kw)
     ref = fa.pallas.reference(q, k, v, sinks, seq, mask, **kw)
     assert out.dtype == q.dtype and out.shape == q.shape
     assert not np.isnan(np.asarray(out, np.float32)).any()
@@ -73,6 +74,18 @@ def test_fully_masked_rows_are_zero_and_mask_path(fa):
     assert np.all(np.asarray(out[0, :, 5]) == 0) and np.all(np.asarray(out[2]) == 0)
     out = _check_forward(fa, 2, 4, 2, sq, sk, 64, seq=[[13, 40, 40], [0, 0, 40]])
     assert np.all(np.asarray(out[0, :, :13]) == 0) and np.all(np.asarray(out[1]) == 0)
+
+
+@pytest.mark.parametrize("chip,blocks", [("v6e", {}), ("v6e", dict(block_q=128, block_k=256)),
+                                         ("v5e", dict(block_q=128, block_k=256))])
+def test_chip_forward_bf16(fa, chip, blocks):
+    """A chip's own forward on bf16: exp in bf16 on v6e (f32 on v5e), its default blocks (512-row q
+    blocks, two key tiles per K/V block, a ragged last block) or small ones (diagonal, full and edge
+    tiles), GQA 4 with sinks: within bf16 rounding of the f32 reference."""
+    assert fa.pallas._exp_dtype(jnp.bfloat16, chip) == (jnp.bfloat16 if chip == "v6e" else jnp.float32)
+    assert fa.pallas._exp_dtype(jnp.float32, chip) == jnp.float32
+    assert fa.pallas._exp_dtype(jnp.bfloat16, "tpu7x") == jnp.float32
+    _check_forward(fa, 1, 8, 2, 1100, 1100, 128, dtype=jnp.bfloat16, use_sinks=True, chip=chip, **blocks)
 
 
 GRADS = [  # ragged blocks, GQA, window, soft-cap, sinks, padding; MQA decode

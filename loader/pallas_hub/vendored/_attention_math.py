@@ -11,6 +11,8 @@ Semantics follow transformers:
   * a query row with no allowed key gives 0, never NaN.
 """
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -48,15 +50,60 @@ def scores(q, k, *, scale: float, softcap: float | None):
 
 
 def online_softmax_step(m, l, acc, s, ok, v):
-    """Fold one block of logits ``s`` [q, k] (``ok`` masks it) and values ``v`` [k, d] into the
-    running max ``m`` [q, 1], denominator ``l`` [q, 1] and f32 accumulator ``acc`` [q, d]."""
-    s = jnp.where(ok, s, MASK_VALUE)
+    """Fold one block of logits ``s`` [q, k] (``ok`` masks it; None: every pair may attend) and values
+    ``v`` [k, d] into the running max ``m`` [q, 1], denominator ``l`` [q, 1] and f32 accumulator ``acc`` [q, d]."""
+    if ok is not None:
+        s = jnp.where(ok, s, MASK_VALUE)
     m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
-    p = jnp.where(ok, jnp.exp(s - m_new), 0.0)
+    p = jnp.exp(s - m_new)
+    if ok is not None:  # a row with nothing allowed yet has m_new = MASK_VALUE: exp(0) must not count
+        p = jnp.where(ok, p, 0.0)
     alpha = jnp.exp(m - m_new)
     l_new = alpha * l + p.sum(axis=-1, keepdims=True)
     pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return m_new, l_new, alpha * acc + pv
+
+
+LOG2E = math.log2(math.e)
+
+
+def scores_keys_major(k, q, *, scale: float, softcap: float | None):
+    """Logits transposed and in base 2: log2(e) * scores(q, k) as [k, q] f32 (keys on sublanes,
+    queries on lanes), so that exp2 of them needs no extra multiply (TPUs compute exp as exp2)."""
+    s = jax.lax.dot_general(k, q, (((k.ndim - 1,), (q.ndim - 1,)), ((), ())), preferred_element_type=jnp.float32)
+    if softcap is None:
+        return s * (scale * LOG2E)
+    return (softcap * LOG2E) * jnp.tanh(s * (scale / softcap))
+
+
+def online_softmax_step_keys_major(m, acc, t, ok, vt, *, exp_dtype=jnp.float32):
+    """online_softmax_step with keys on sublanes and queries on lanes, in base 2.
+
+    Folds logits ``t`` [k, q] (log2 units: ``scores_keys_major``; ``ok`` masks them, None: every pair
+    may attend) and ``vt`` [d + r, k] into the running max ``m`` [1, q] and the f32 accumulator
+    ``acc`` [d + r, q]. ``vt`` is V^T with r rows of ones below it: the MXU computes the softmax
+    denominator (row d of ``acc``) alongside (P @ V)^T, from the same rounded p, so no row sum is
+    left to the vector units; per-query statistics are lane-dense rows and the reductions run over
+    sublanes (no cross-lane work). ``exp_dtype`` bfloat16 evaluates exp2 at bf16 (chips with a
+    bf16 EUP): p is rounded to bf16 for the MXU anyway, and the argument's own rounding costs at
+    most ~2^-9 / e of the largest weight."""
+    if ok is not None:  # masked logits become MASK_VALUE exactly: exp2 of them is 0 once m_new is real
+        t = jnp.where(ok, t, MASK_VALUE)
+    m_new = jnp.maximum(m, t.max(axis=0, keepdims=True))
+    # A query with nothing allowed yet keeps m_new = MASK_VALUE and takes weight 1 for its masked
+    # keys: the next real key scales that away (alpha = 0), and finalize_keys_major empties a query
+    # that never saw one, so no second select is needed here.
+    p = jnp.exp2((t - m_new).astype(exp_dtype))
+    pv = jax.lax.dot_general(vt, p.astype(vt.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return m_new, jnp.exp2(m - m_new) * acc + pv
+
+
+def finalize_keys_major(m, acc, d: int, sink=None):
+    """``finalize`` of the keys-major state (m [1, q] in log2 units, acc [d + r, q] with the denominator
+    in row d): (out f32 [d, q], log-sum-exp [1, q]). A query whose max is still MASK_VALUE saw no
+    allowed key: its denominator is 0 whatever was accumulated (its acc is then scaled to 0)."""
+    l = jnp.where(m > MASK_VALUE, acc[d:d + 1], 0.0)
+    return finalize(m * (1.0 / LOG2E), l, acc[:d], sink)
 
 
 def finalize(m, l, acc, sink=None):

@@ -20,8 +20,16 @@ largest the shapes and mask kind allow (``_max_items``), padded with no-op steps
 previous block indices (no DMA). Within a step, K/V blocks (long, for few steps) are computed in
 tiles of bq keys, and tiles no row of the q block sees are skipped (the causal diagonal).
 
-The forward's log-sum-exp (a training residual) leaves the kernel lane-broadcast, [..., 128] as
-in splash, and is sliced to [B, Hq, Sq]; the backward reads it, and dO.O, lane-dense in rows.
+Forward layout: with q blocks of whole lane tiles (prefill) the forward works keys-major, scores
+transposed [keys, queries] (``am.online_softmax_step_keys_major``): the per-query max is a
+lane-dense row reduced over sublanes (no cross-lane reductions or broadcasts), P @ V is computed
+as V^T @ P^T, whose 512-wide output fills a 256-wide MXU where head_dim 128 would fill half, and
+ones rows below V^T make the MXU sum the softmax denominator. Short q blocks (decode) keep queries
+on sublanes. Logits are kept in base 2 (exp2; TPUs compute exp as exp2 of a product anyway).
+
+The forward's log-sum-exp (a training residual) leaves the kernel as lane-dense rows [..., 1, Sq]
+(keys-major) or lane-broadcast [..., 128] (short blocks) and becomes [B, Hq, Sq]; the backward
+reads it, and dO.O, lane-dense in rows.
 """
 
 from __future__ import annotations
@@ -42,6 +50,10 @@ DTYPES = ("float32", "bfloat16")
 HEAD_DIMS = (64, 128, 256)
 LANES = 128
 COMPUTE, FIRST, LAST = 1, 2, 4  # schedule flags
+# Chips whose forward takes exp in bf16 for bf16 inputs: v6e (bf16 EUP; half the exp pushes and pops,
+# ~2% per layer on the cost model). Not v5e (no bf16 VPU/EUP), nor TPU7x: it has them, but its
+# compiled schedule came out 0-2% longer with bf16 exp (benchmarks, pallas-hub bench runner).
+BF16_EXP_CHIPS = ("v6e",)
 
 # Per-chip defaults: (block_q, block_k, block_k for decode-sized q, vmem_limit_bytes). Blocks are
 # multiples of 128 (256-wide MXUs on v6e/TPU7x); a q block carries all G heads of a KV group, so
@@ -210,16 +222,25 @@ def _schedule(need, n_items):
 
 # --------------------------------------------------------------------------- kernels
 
-def _positions(seq_ref, b, row0, col0, *, rows, cols, causal, window, mask=None):
-    """ok [rows, cols]: which (query row, key) pairs of the tile at (row0, col0) of sequence b may attend."""
+def _positions(seq_ref, b, row0, col0, *, rows, cols, causal, window, mask=None, keys_major=False):
+    """ok [rows, cols] (``keys_major``: [cols, rows]): which (query row, key) pairs of the tile at
+    (row0, col0) of sequence b may attend."""
     kv_start, kv_end, q_len = seq_ref[3 * b], seq_ref[3 * b + 1], seq_ref[3 * b + 2]
-    r = row0 + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0)
-    k_pos = col0 + jax.lax.broadcasted_iota(jnp.int32, (1, cols), 1)
-    ok = am.allowed(kv_end - q_len + r, k_pos, causal=causal, window=window)
-    ok = ok & (r < q_len) & (k_pos >= kv_start) & (k_pos < kv_end)
-    if mask is not None:
-        ok = ok & (mask != 0)
+    r_axis, k_axis = (1, 0) if keys_major else (0, 1)
+    r = row0 + jax.lax.broadcasted_iota(jnp.int32, (1, rows) if keys_major else (rows, 1), r_axis)
+    k_pos = col0 + jax.lax.broadcasted_iota(jnp.int32, (cols, 1) if keys_major else (1, cols), k_axis)
+    q_pos = kv_end - q_len + r
+    row_ok, key_ok = r < q_len, (k_pos >= kv_start) & (k_pos < kv_end)
+    if causal:  # padding folded into the positions (vectors): one compare per pair tests everything
+        ok = am.allowed(jnp.where(row_ok, q_pos, -_FAR), jnp.where(key_ok, k_pos, _FAR), causal=True, window=window)
+    else:
+        ok = am.allowed(q_pos, k_pos, causal=False, window=window) & row_ok & key_ok
+    if mask is not None:  # given [rows, cols]
+        ok = ok & ((mask.astype(jnp.int32).T if keys_major else mask) != 0)
     return ok
+
+
+_FAR = 1 << 30  # a position no query or key reaches (a padded one is moved there)
 
 
 def _tile_needed(seq_ref, b, qi, col0, cols, *, bq, causal, window):
@@ -227,6 +248,19 @@ def _tile_needed(seq_ref, b, qi, col0, cols, *, bq, causal, window):
     kv_start, kv_end, q_len = seq_ref[3 * b], seq_ref[3 * b + 1], seq_ref[3 * b + 2]
     k_lo, k_hi, nonempty = _key_ranges(kv_start, kv_end, q_len, qi, bq=bq, causal=causal, window=window)
     return nonempty & (col0 <= k_hi) & (col0 + cols > k_lo)
+
+
+def _tile_full(seq_ref, b, qi, col0, cols, *, bq, causal, window):
+    """Does every row of q block qi see every key in [col0, col0 + cols) (scalar): no mask to apply."""
+    kv_start, kv_end, q_len = seq_ref[3 * b], seq_ref[3 * b + 1], seq_ref[3 * b + 2]
+    row_lo, row_hi = qi * bq, qi * bq + bq - 1
+    off = kv_end - q_len  # position of query row 0
+    full = (row_hi < q_len) & (col0 >= kv_start) & (col0 + cols <= kv_end)
+    if causal:
+        full &= col0 + cols - 1 <= off + row_lo
+    if window is not None:
+        full &= col0 > off + row_hi - window
+    return full
 
 
 def _rows(x, start, n, ragged):
@@ -238,8 +272,17 @@ def _rows(x, start, n, ragged):
     return x
 
 
-def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups, bq, bk, bkc, sk, scale, causal,
-                window, softcap, has_sinks, has_mask, with_lse):
+def _keys_major(bq):
+    """Forward layout: q blocks of whole lane tiles (prefill) hold queries on lanes and keys on sublanes
+    (``am.online_softmax_step_keys_major``); short ones (decode) keep queries on sublanes."""
+    return bq % LANES == 0
+
+
+ONES_ROWS = 16  # rows of ones below V^T in the keys-major forward (one packed bf16 sublane tile)
+
+
+def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups, bq, bk, bkc, sk, d, scale, causal,
+                window, softcap, has_sinks, has_mask, with_lse, exp_dtype):
     refs = list(refs)
     sinks_ref = refs.pop(0) if has_sinks else None
     q_ref, k_ref, v_ref = refs[:3]
@@ -247,7 +290,9 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
     mask_ref = refs.pop(0) if has_mask else None
     o_ref = refs.pop(0)
     lse_ref = refs.pop(0) if with_lse else None
-    m_sc, l_sc, acc_sc = refs
+    keys_major = _keys_major(bq)
+    m_sc, acc_sc = refs[0], refs[-1]
+    l_sc = None if keys_major else refs[1]
     b, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     step = b * n_items + t
     qi, kj, flags = outer_ref[step], inner_ref[step], flags_ref[step]
@@ -255,39 +300,76 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
     @pl.when((flags & FIRST) != 0)
     def _init():
         m_sc[...] = jnp.full(m_sc.shape, am.MASK_VALUE, jnp.float32)
-        l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
         acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+        if l_sc is not None:
+            l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
 
     # K/V blocks are big (few steps, long DMAs) but computed in tiles of bkc keys, skipping tiles no
     # row of this q block sees: the causal diagonal then wastes at most one bq x bkc tile per q block.
+    # Only tiles that some (row, key) pair of cannot attend build and apply a mask (the diagonal, the
+    # padding edges, a given mask); the others, most of a long prefill, run the unmasked body.
     for c in range(bk // bkc):
         col0 = kj * bk + c * bkc
+        needed = ((flags & COMPUTE) != 0) & _tile_needed(seq_ref, b, qi, col0, bkc, bq=bq, causal=causal,
+                                                          window=window)
 
-        @pl.when(((flags & COMPUTE) != 0)
-                 & _tile_needed(seq_ref, b, qi, col0, bkc, bq=bq, causal=causal, window=window))
-        def _compute():
+        def compute(masked, c=c, col0=col0):
             tile = pl.ds(c * bkc, bkc)
-            ok = _positions(seq_ref, b, qi * bq, col0, rows=bq, cols=bkc, causal=causal, window=window,
-                            mask=None if mask_ref is None else mask_ref[:, tile])
-            k = k_ref[tile, :]
-            v = _rows(v_ref[tile, :], col0, sk, sk % bk != 0)
 
-            def head(g, carry):  # the G query heads of this KV group share the K/V tile
-                s = am.scores(q_ref[g], k, scale=scale, softcap=softcap)
-                m, l, acc = am.online_softmax_step(m_sc[g], l_sc[g], acc_sc[g], s, ok, v)
-                m_sc[g], l_sc[g], acc_sc[g] = m, l, acc
+            def positions():
+                if not masked:
+                    return None
+                return _positions(seq_ref, b, qi * bq, col0, rows=bq, cols=bkc, causal=causal, window=window,
+                                  mask=None if mask_ref is None else mask_ref[:, tile], keys_major=keys_major)
+
+            # keys-major: the mask is two vectors and a compare, cheaper to redo per head than to keep
+            # a tile-sized mask in VMEM and reload it; row-major (short rows): built once per tile
+            ok = None if keys_major else positions()
+            k = k_ref[tile, :]
+            v = _rows(v_ref[tile, :], col0, sk, masked and sk % bk != 0)  # a full tile lies inside Sk
+            if keys_major:  # V^T and ones rows (the MXU sums the denominator), shared by the G heads
+                vt = jnp.concatenate([v.T, jnp.ones((ONES_ROWS, bkc), v.dtype)], axis=0)
+
+            def head(g):  # the G query heads of this KV group share the K/V tile
+                if keys_major:
+                    t = am.scores_keys_major(k, q_ref[g], scale=scale, softcap=softcap)
+                    m_sc[g], acc_sc[g] = am.online_softmax_step_keys_major(m_sc[g], acc_sc[g], t, positions(), vt,
+                                                                           exp_dtype=exp_dtype)
+                else:
+                    s = am.scores(q_ref[g], k, scale=scale, softcap=softcap)
+                    m_sc[g], l_sc[g], acc_sc[g] = am.online_softmax_step(m_sc[g], l_sc[g], acc_sc[g], s, ok, v)
+
+            # keys-major: two heads per iteration, so the scheduler can run one head's matmuls under
+            # the other's softmax (independent work in one basic block)
+            per = 2 if keys_major and groups % 2 == 0 else 1
+
+            def heads(i, carry):
+                for j in range(per):
+                    head(i * per + j)
                 return carry
 
-            jax.lax.fori_loop(0, groups, head, 0)
+            jax.lax.fori_loop(0, groups // per, heads, 0)
+
+        if mask_ref is None:
+            full = _tile_full(seq_ref, b, qi, col0, bkc, bq=bq, causal=causal, window=window)
+            pl.when(needed & full)(functools.partial(compute, False))
+            pl.when(needed & jnp.logical_not(full))(functools.partial(compute, True))
+        else:
+            pl.when(needed)(functools.partial(compute, True))
 
     @pl.when((flags & LAST) != 0)
     def _finalize():
         def head(g, carry):
             sink = sinks_ref[h * groups + g] if has_sinks else None
-            out, lse = am.finalize(m_sc[g], l_sc[g], acc_sc[g], sink)
+            if keys_major:
+                out, lse = am.finalize_keys_major(m_sc[g], acc_sc[g], d, sink)
+                out = out.T
+            else:
+                out, lse = am.finalize(m_sc[g], l_sc[g], acc_sc[g], sink)
+                lse = jnp.broadcast_to(lse, (bq, LANES))
             o_ref[g] = out.astype(o_ref.dtype)
             if with_lse:
-                lse_ref[g] = jnp.broadcast_to(lse, (bq, LANES))
+                lse_ref[g] = lse
             return carry
 
         jax.lax.fori_loop(0, groups, head, 0)
@@ -445,26 +527,43 @@ def _forward(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap, block
         args.append(mask.astype(jnp.int8))
     out_specs = [q_spec]
     out_shape = [jax.ShapeDtypeStruct((b, hkv, g, sq, d), q.dtype)]
-    if with_lse:
+    if with_lse and _keys_major(bq):  # lane-dense rows, as the backward reads it
+        out_specs.append(pl.BlockSpec((None, None, g, 1, bq),
+                                      lambda bb, h, t, o, i, f, s: (bb, h, 0, 0, o[bb * n_items + t])))
+        out_shape.append(jax.ShapeDtypeStruct((b, hkv, g, 1, sq), jnp.float32))
+    elif with_lse:  # one value per row, lane-broadcast (a short block's rows sit on sublanes)
         out_specs.append(pl.BlockSpec((None, None, g, bq, LANES),
                                       lambda bb, h, t, o, i, f, s: (bb, h, 0, o[bb * n_items + t], 0)))
         out_shape.append(jax.ShapeDtypeStruct((b, hkv, g, sq, LANES), jnp.float32))
+    if _keys_major(bq):
+        scratch = [pltpu.VMEM((g, 1, bq), jnp.float32), pltpu.VMEM((g, d + ONES_ROWS, bq), jnp.float32)]
+    else:
+        scratch = [pltpu.VMEM((g, bq, 1), jnp.float32), pltpu.VMEM((g, bq, 1), jnp.float32),
+                   pltpu.VMEM((g, bq, d), jnp.float32)]
     kernel = functools.partial(
-        _fwd_kernel, n_items=n_items, groups=g, bq=bq, bk=bk, bkc=_compute_tile(bq, bk), sk=sk, scale=scale, causal=causal, window=window,
-        softcap=softcap, has_sinks=sinks is not None, has_mask=mask is not None, with_lse=with_lse)
+        _fwd_kernel, n_items=n_items, groups=g, bq=bq, bk=bk, bkc=_compute_tile(bq, bk), sk=sk, d=d, scale=scale,
+        causal=causal, window=window, softcap=softcap, has_sinks=sinks is not None, has_mask=mask is not None,
+        with_lse=with_lse, exp_dtype=_exp_dtype(q.dtype, chip))
     outs = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=4, grid=(b, hkv, n_items), in_specs=in_specs, out_specs=out_specs,
-            scratch_shapes=[pltpu.VMEM((g, bq, 1), jnp.float32), pltpu.VMEM((g, bq, 1), jnp.float32),
-                            pltpu.VMEM((g, bq, d), jnp.float32)]),
+            scratch_shapes=scratch),
         out_shape=out_shape,
         compiler_params=_params(vmem),
         name="flash_attention_fwd",
     )(outer, inner, flags, seq.reshape(-1), *args)
     out = outs[0].reshape(b, hq, sq, d)
-    lse = outs[1][..., 0].reshape(b, hq, sq) if with_lse else None
+    lse = None
+    if with_lse:
+        lse = (outs[1] if _keys_major(bq) else outs[1][..., 0]).reshape(b, hq, sq)
     return out, lse
+
+
+def _exp_dtype(dtype, chip):
+    """The dtype of the forward's exp: bf16 for bf16 inputs on BF16_EXP_CHIPS (p is rounded to bf16 for
+    the MXU either way), else f32."""
+    return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 and chip in BF16_EXP_CHIPS else jnp.float32
 
 
 def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window, softcap, block_q, block_k, chip):
