@@ -5,6 +5,8 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 export JAX_PLATFORMS := cpu
+# torch_tpu loads libtpu on `import torch`: never let it ask the cloud metadata server (no network here)
+export TPU_SKIP_MDS_QUERY := 1
 PYTEST_ARGS ?=
 
 .PHONY: demo test test-slow check bench clean-venv

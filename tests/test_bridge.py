@@ -82,10 +82,15 @@ def test_unannotated_or_unsupported_parameters_are_refused():
     def bad_annotation(x: jax.Array, shape: tuple) -> jax.Array:
         return x
 
+    def no_return_annotation(x: jax.Array):  # TorchTPU's jax_op refuses it: flash-attention once did not import
+        return x
+
     with pytest.raises(TypeError, match="'x' has no type annotation"):
         bridge.jax_op("pallas_hub_test::bad1", no_annotation, fake=lambda x: x)
     with pytest.raises(TypeError, match="'shape' is annotated"):
         bridge.jax_op("pallas_hub_test::bad2", bad_annotation, fake=lambda x, shape: x)
+    with pytest.raises(TypeError, match="no_return_annotation: return annotation must be jax.Array"):
+        bridge.jax_op("pallas_hub_test::bad3", no_return_annotation, fake=lambda x: x)
 
 
 def test_devices_are_checked_by_name():
@@ -134,24 +139,24 @@ def test_host_values_reads_only_what_is_already_on_the_host():
     assert seen == [None]  # a tracer: the values exist only on device
 
 
-def test_the_torch_tpu_path_uses_jax_op_and_keeps_cpu_fake_and_autograd(monkeypatch):
-    """Without a TPU, a stand-in for torch.tpu.pallas.jax_op checks the TPU branch's wiring."""
-    seen = {}
+def test_with_torch_tpu_installed_the_op_fronts_torch_tpus_real_jax_op():
+    """torch_tpu (installed here, no TPU) registers the TorchTPU op; ours keeps its schema and CPU path
+    and sends `tpu` tensors to it (what it launches is checked by tests/torchtpu)."""
+    pytest.importorskip("torch_tpu")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch_tpu._internal.pallas.pallas import JaxCallable
 
-    def stand_in_jax_op(name, fn):
-        seen["name"], seen["fn"] = name, fn
-
-        @torch.library.custom_op(name, mutates_args=())
-        def op(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-            raise AssertionError("the TPU implementation must not run for CPU tensors")
-
-        return op
-
-    monkeypatch.setattr(bridge, "_tpu_jax_op", lambda: stand_in_jax_op)
-    op = bridge.jax_op("pallas_hub_test::gather_tpu", _gather_rows, fake=lambda x, idx: x.new_empty((idx.shape[0], x.shape[1])))
-    assert seen["name"] == "pallas_hub_test::gather_tpu" and seen["fn"] is _gather_rows
+    tpu_op = gather_rows.tpu_op
+    assert tpu_op._qualname == "pallas_hub_test::gather_rows_jax" and isinstance(tpu_op._init_fn, JaxCallable)
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("pallas_hub_test::gather_rows", "PrivateUse1")
+    ours, theirs = gather_rows._opoverload._schema, tpu_op._opoverload._schema
+    assert [(a.name, str(a.type)) for a in ours.arguments] == [(a.name, str(a.type)) for a in theirs.arguments]
     x, idx = torch.randn(5, 4), torch.tensor([4, 1])
-    torch.testing.assert_close(op(x, idx), x[idx])  # the CPU kernel registered on TorchTPU's op
+    torch.testing.assert_close(gather_rows(x, idx), x[idx])  # CPU: interpret path, not TorchTPU's
+    with FakeTensorMode():  # torch_tpu's own fake exports the JAX function for TPU; ours is pure torch
+        fx, fidx = torch.empty(5, 4), torch.empty(2, dtype=torch.int32)
+        a, b = gather_rows(fx, fidx), tpu_op(fx, fidx)
+    assert (a.shape, a.dtype) == (b.shape, b.dtype) == ((2, 4), torch.float32)
 
 
 # --------------------------------------------------------------------------- the bridge inside a built kernel

@@ -86,7 +86,7 @@ def test_building_twice_gives_identical_bytes_and_kernels_digest_validates(tmp_p
     a, b = build.build_kernel(spec, tmp_path / "a"), build.build_kernel(spec, tmp_path / "b")
     files_a = {p.relative_to(a): p.read_bytes() for p in sorted(a.rglob("*")) if p.is_file()}
     files_b = {p.relative_to(b): p.read_bytes() for p in sorted(b.rglob("*")) if p.is_file()}
-    assert files_a == files_b and len(files_a) == 18
+    assert files_a == files_b and len(files_a) == 22
     for variant, backend in build.VARIANTS.items():
         raw = (a / variant / "metadata.json").read_bytes()
         meta = json.loads(raw)
@@ -103,7 +103,7 @@ def test_building_twice_gives_identical_bytes_and_kernels_digest_validates(tmp_p
 VENDORED = {
     "ragged_dot": {"_bridge.py", "_chips.py"},
     "flash_attention": {"_bridge.py", "_chips.py", "_attention_math.py"},
-    "paged_attention": {"_bridge.py", "_attention_math.py"},
+    "paged_attention": {"_bridge.py", "_chips.py", "_attention_math.py"},  # the bridge asks _chips for TorchTPU's chip
 }
 
 
@@ -122,9 +122,9 @@ def test_shared_modules_are_vendored_byte_for_byte_where_imported(key, tmp_path)
                 assert (package / name).read_bytes() == (build.VENDORED / name).read_bytes()
 
 
-def test_fixture_gets_only_the_bridge_and_a_source_copy_is_refused(tmp_path):
+def test_fixture_gets_only_the_bridge_and_its_imports_and_a_source_copy_is_refused(tmp_path):
     spec = manifest.load_kernel(FIXTURE)
-    assert {n for n in build.package_files(spec) if n.startswith("_")} - {"__init__.py"} == {"_bridge.py"}
+    assert {n for n in build.package_files(spec) if n.startswith("_")} - {"__init__.py"} == {"_bridge.py", "_chips.py"}
     import shutil
 
     copy = tmp_path / "k"

@@ -68,9 +68,10 @@ def test_attention_forward_matches_sdpa(fa, hq, hkv, sq, sk, pad, window, sinks,
     b, d = len(pad), 64
     q, k, v = torch.randn(b, hq, sq, d), torch.randn(b, hkv, sk, d), torch.randn(b, hkv, sk, d)
     mask = None if not any(pad) and window is None else _mask(b, sq, sk, pad, window)
-    if mask is not None:  # transformers' padding + causal (+ window) masks become lengths, no mask traffic
-        seq, kind = fa._structured(mask[:, 0], causal=True, window=window)
-        assert kind == (True, window) and seq[:, 0].tolist() == [max(p, sk - (window or sk)) for p in pad]
+    if mask is not None:  # transformers' padding + causal (+ window) masks run on lengths, no mask traffic
+        seq, exact = fa._mask_structure(mask[:, 0].numpy(), True, window)
+        assert bool(exact) and seq[:, 0].tolist() == [max(p, sk - (window or sk)) for p in pad]
+        assert not bool(fa._mask_structure(mask[:, 0].numpy(), True, (window or sk) // 2)[1])  # it can say no
     s_aux = torch.randn(hq) if sinks else None
     module = _Module(hq, hkv)
     out, w = fa.attention_forward(module, q, k, v, mask, scaling=0.11, sliding_window=window, s_aux=s_aux,

@@ -191,6 +191,25 @@ def test_write_kv_in_place_on_overlapping_views(load_kernel):
     np.testing.assert_array_equal(buf[1:][[0, 4, 8]].numpy(), rv[[0, 4, 8]])
 
 
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_write_kv_in_place_writes_the_new_rows_only(load_kernel, index_dtype):
+    """Padding rows (past cu_q_lens[-1]) and empty sequences write nothing; every other row of the
+    cache keeps its bytes; nothing at all to write leaves the cache as it was."""
+    k = load_kernel("paged_attention")
+    q, kp, vp, lens, table, cu, _ = make_case([5, 0, 1, 20], [20, 3, 40, 40], hq=2, hkv=2, d=32)
+    kc, vc = torch.from_numpy(np.array(kp)), torch.from_numpy(np.array(vp))
+    new_k, new_v = torch.from_numpy(np.array(q)), torch.from_numpy(np.array(q * 2 + 1))  # 3 padding rows
+    meta = [torch.from_numpy(np.array(a)).to(index_dtype) for a in (lens, table, cu)]
+    rk, rv = k.pallas.reference_write(kp, vp, q, q * 2 + 1, lens, table, cu)
+    k.write_kv_(kc, vc, new_k, new_v, *meta)
+    np.testing.assert_array_equal(kc.numpy(), rk)
+    np.testing.assert_array_equal(vc.numpy(), rv)
+    assert not np.array_equal(rk, np.asarray(kp))  # something was written
+    before = kc.clone()
+    k.write_kv_(kc, vc, new_k[:2], new_v[:2], meta[0], meta[1], torch.zeros_like(meta[2]))  # no sequence has new rows
+    assert torch.equal(kc, before)
+
+
 def _torch(*arrays):
     return [None if a is None else torch.from_numpy(np.array(a)) for a in arrays]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from . import timing
+from ..hub.fetch import on_torchtpu_host
 from ..vendored._bridge import synchronize
 from ..vendored._chips import tpu_generation
 
@@ -115,10 +116,8 @@ def run(problems, impls, model_rows, *, progress=print, jax_device=None, **kw) -
         return {"device": str(jax_device), "rows": [], "skipped": msg}
     chip = chip_of(jax_device)
     rows = time_rows(problems, impls, model_rows, chip=chip, device=str(jax_device), progress=progress, **kw)
-    try:
-        import torch_tpu  # noqa: F401  (TorchTPU: the 'tpu' torch device)
-    except ImportError:
-        progress("  torch_tpu is not installed: transformers' MoE layers are not timed")
+    if not on_torchtpu_host():  # torch_tpu missing, or installed on a host whose chip it did not bring up
+        progress("  TorchTPU's `tpu` device is not up: transformers' MoE layers are not timed")
     else:
         experts: dict[str, Callable | None] = {"grouped_mm": None}
         ours = _our_experts_forward()

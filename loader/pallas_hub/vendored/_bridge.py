@@ -4,17 +4,18 @@ This file is the single source (``pallas_hub/vendored/``): ``pallas-hub build`` 
 for byte, into every kernel package as ``_bridge.py`` (a Hub kernel may only import the standard
 library, torch and its own modules; jax is imported, not declared).
 
-Two execution paths behind one op:
+The op's schema comes from ``fn``'s annotations, on every host, and TorchTPU's ``jax_op`` rules
+apply to ``fn``: every parameter annotated with ``jax.Array`` (or ``jax.Array | None``) or a POD
+type (int, float, bool, str; non-array parameters are static), and a return annotation of
+``jax.Array`` or a tuple of them. Two execution paths behind one op:
 
-* tensors on the TorchTPU ``tpu`` device: the op *is* ``torch.tpu.pallas.jax_op(name, fn)``
-  (fallback ``torch_tpu._internal.pallas.jax_op``), which exports ``fn`` for TPU and runs it
-  natively. Its rules apply to ``fn``: every parameter annotated with ``jax.Array`` (or
-  ``jax.Array | None``) or a POD type (int, float, bool, str); non-array parameters are static.
-* CPU tensors (every test here): zero-copy DLPack into JAX, ``fn`` jitted with its Pallas calls
-  in TPU interpret mode, DLPack back. int64 arrays become int32 (JAX runs without x64); an
-  output that aliases an input or another output is cloned, so torch may write to it in place.
-
-The same annotations drive the torch schema, so the two paths cannot drift apart.
+* tensors on the TorchTPU ``tpu`` device (a kernel for dispatch key PrivateUse1, registered where
+  torch_tpu is installed): int64 arrays are cast to int32 on the device, then
+  ``torch.tpu.pallas.jax_op(name + "_jax", fn)`` exports ``fn`` for TPU (traced under an abstract
+  mesh of TorchTPU's chip, so Mosaic and the kernels' tiling see the real generation) and launches it.
+* CPU tensors (every test here): zero-copy into JAX, ``fn`` jitted with its Pallas calls in TPU
+  interpret mode, DLPack back. int64 arrays become int32 (JAX runs without x64); an output that
+  aliases an input or another output is cloned, so torch may write to it in place.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import functools
 import inspect
 import types
 import typing
+import warnings
 from typing import Any, Callable, Sequence
 
 import torch
@@ -57,6 +59,15 @@ def _param_kind(annotation: Any, name: str, fn_name: str) -> str:
 _TORCH_ANNOTATION = {"array": torch.Tensor, "optional_array": typing.Optional[torch.Tensor]}
 
 
+def _is_array_result(annotation: Any) -> bool:
+    import jax
+
+    if annotation is jax.Array:
+        return True
+    args = typing.get_args(annotation)
+    return typing.get_origin(annotation) is tuple and bool(args) and all(a is jax.Array for a in args)
+
+
 @functools.lru_cache(maxsize=None)
 def _signature(fn: Callable) -> tuple[inspect.Signature, dict[str, str]]:
     sig = inspect.signature(inspect.unwrap(fn), eval_str=True)
@@ -67,6 +78,9 @@ def _signature(fn: Callable) -> tuple[inspect.Signature, dict[str, str]]:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             raise TypeError(f"{fn.__name__}: *args/**kwargs cannot be bridged ({p.name!r})")
         kinds[p.name] = _param_kind(p.annotation, p.name, fn.__name__)
+    if not _is_array_result(sig.return_annotation):
+        raise TypeError(f"{fn.__name__}: return annotation must be jax.Array or tuple[jax.Array, ...] "
+                        f"(TorchTPU's jax_op refuses the function otherwise), got {sig.return_annotation!r}")
     return sig, kinds
 
 
@@ -176,6 +190,13 @@ def _interpret_mode():
     return pltpu.force_tpu_interpret_mode(True)
 
 
+def _as_jax_dtype(t: torch.Tensor) -> torch.Tensor:
+    """An int64 tensor as int32 on its own device: JAX runs without x64, so that is the dtype of the
+    kernel's parameter (on TorchTPU, torch_tpu would hand the launch the int64 tensor unconverted).
+    A device cast, no host sync; out-of-range values are refused on CPU only, where they are on the host."""
+    return t.to(torch.int32) if t.dtype == torch.int64 else t
+
+
 def to_jax(t: torch.Tensor):
     """A CPU torch tensor as something a jitted JAX function takes without copying it.
 
@@ -187,10 +208,10 @@ def to_jax(t: torch.Tensor):
     import jax
     import jax.numpy as jnp
 
-    if t.dtype == torch.int64:  # JAX runs without x64: indices travel as int32
-        if t.numel() and (t.max() > torch.iinfo(torch.int32).max or t.min() < torch.iinfo(torch.int32).min):
+    if t.dtype == torch.int64 and t.numel():
+        if t.max() > torch.iinfo(torch.int32).max or t.min() < torch.iinfo(torch.int32).min:
             raise ValueError(f"int64 values out of int32 range cannot be passed to a TPU kernel (got {tuple(t.shape)})")
-        t = t.to(torch.int32)
+    t = _as_jax_dtype(t)
     if t.numel() == 0:  # nothing to share
         return jnp.zeros(tuple(t.shape), dtype=jnp.dtype(dtype_name(t)))
     t = t.detach().contiguous()
@@ -249,6 +270,27 @@ def _validated(fn: Callable, validate: Callable) -> Callable:
     return checked_fn
 
 
+def _on_torch_tpu_chip(fn: Callable) -> Callable:
+    """``fn`` traced under an abstract mesh whose device is TorchTPU's chip, so Mosaic's lowering
+    rules that ask for the generation and the kernels' tiling (``_chips.tpu_generation``) see the
+    real chip and never JAX's runtime (which does not own the TPU on a TorchTPU host). torch_tpu's
+    own scaled_mm kernels export the same way."""
+    from ._chips import torch_tpu_device_kind, traced_device_kind
+
+    @functools.wraps(fn)  # jax_op reads fn's annotations through __wrapped__
+    def on_chip(*args, **kwargs):
+        import jax
+
+        kind = torch_tpu_device_kind()
+        if kind is None or traced_device_kind() is not None:
+            return fn(*args, **kwargs)
+        mesh = jax.sharding.AbstractMesh((1,), ("_tpu",), abstract_device=jax.sharding.AbstractDevice(kind, 1, "tpu"))
+        with jax.sharding.use_abstract_mesh(mesh):
+            return fn(*args, **kwargs)
+
+    return on_chip
+
+
 def jax_op(
     qualname: str,
     fn: Callable,
@@ -264,6 +306,7 @@ def jax_op(
     before anything is traced (it also runs under FakeTensor, so compile-time errors are clear).
     ``returns`` is the torch return annotation (``torch.Tensor`` or a tuple of them).
     Autograd: ``op.register_autograd(backward, setup_context=...)`` on the returned op.
+    ``op.tpu_op`` (where torch_tpu is installed) is the TorchTPU op behind the `tpu` kernel.
     """
     import jax
 
@@ -303,14 +346,23 @@ def jax_op(
     cpu_impl.__signature__ = tensor_sig
     fake_impl.__signature__ = tensor_sig
     schema = torch.library.infer_schema(cpu_impl, mutates_args=())
+    op = torch.library.custom_op(qualname, cpu_impl, mutates_args=(), schema=schema)
+    op.register_fake(fake_impl)
 
     tpu_jax_op = _tpu_jax_op()
-    if tpu_jax_op is not None:  # TorchTPU host: the op runs natively on 'tpu', interpreted on 'cpu'
-        op = tpu_jax_op(qualname, fn)
-        op.register_kernel("cpu")(cpu_impl)
-    else:
-        op = torch.library.custom_op(qualname, cpu_impl, mutates_args=(), schema=schema)
-    op.register_fake(fake_impl)
+    if tpu_jax_op is not None:  # torch_tpu installed: `tpu` tensors run the kernel exported for TPU
+        with warnings.catch_warnings():  # torch_tpu 0.2.0 marks jax_op experimental, once per op
+            warnings.filterwarnings("ignore", message=r".*jax_op is experimental")
+            launch = tpu_jax_op(qualname + "_jax", _on_torch_tpu_chip(fn))
+
+        def tpu_impl(*args, **kwargs):
+            bound = checked(args, kwargs)
+            return launch(**{n: v if kinds[n] == "static" or v is None else _as_jax_dtype(v)
+                             for n, v in bound.arguments.items()})
+
+        tpu_impl.__signature__ = tensor_sig
+        op.register_kernel("privateuseone")(tpu_impl)  # PrivateUse1: the `tpu` device once torch_tpu brings it up
+        op.tpu_op = launch  # torch_tpu's op (its own fake exports fn for TPU); tests check what it launches
     op.jax_fn = fn  # the JAX function, for benchmarks and AOT compilation
     return op
 

@@ -1,7 +1,8 @@
 """flash-attention-tpu: Pallas TPU flash attention (GQA/MQA, causal, sliding window, soft-cap, sinks,
 padding) as a torch op with autograd, and a transformers attention function.
 
-    attention(q, k, v, sinks=None, seq=None, mask=None, scale=0.0, causal=True, window=0, softcap=0.0)
+    attention(q, k, v, sinks=None, seq=None, mask=None, scale=0.0, causal=True, window=0, softcap=0.0,
+              block_q=0, block_k=0, mask_only=False)
         -> (out [B, Hq, Sq, D], lse [B, Hq, Sq] f32)          (torch custom op, differentiable)
         scale 0.0 (the default) means D**-0.5, as the JAX function pallas.flash_attention
     attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs)
@@ -12,8 +13,6 @@ See pallas.py for the kernel and CARD.md for usage.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
 from . import _attention_math as attention_math, pallas
@@ -21,6 +20,7 @@ from ._bridge import check_array, dtype_name, jax_op
 from ._ops import add_op_namespace_prefix
 
 import jax  # noqa: E402  (after the bridge: a kernel package imports jax, it does not declare it)
+import jax.numpy as jnp  # noqa: E402
 
 
 def _opt(x):
@@ -28,39 +28,81 @@ def _opt(x):
 
 
 def _check(q, k, v, sinks=None, seq=None, mask=None, scale=0.0, causal=True, window=0, softcap=0.0, block_q=0,
-           block_k=0):
+           block_k=0, mask_only=False):
     if window < 0:
         raise ValueError(f"window must be a positive number of tokens (0 = no window), got {window}")
+    if mask_only and seq is not None:
+        raise ValueError("mask_only=True takes the mask alone (it finds the lengths itself): seq must be None")
     pallas.validate(q, k, v, sinks, seq, mask, scale=scale, causal=causal, window=_opt(window),
                     softcap=_opt(softcap), block_q=_opt(block_q), block_k=_opt(block_k))
 
 
+def _mask_structure(mask: jax.Array, causal: bool, window: int | None) -> tuple[jax.Array, jax.Array]:
+    """(seq [B, 3] int32, exact) for a mask [B, Sq, Sk] (nonzero = attend), on the device.
+
+    seq = (kv_start, kv_end, q_len = Sq) bounds the keys any row sees, so fully masked blocks are
+    skipped; ``exact`` (a boolean array) says whether the mask is exactly those lengths with
+    ``causal`` (bottom-right) and ``window``, as transformers' padding masks are: then the kernel
+    needs no mask at all. A traced decision, so no host sync and nothing data-dependent to trace.
+    """
+    _, sq, sk = mask.shape
+    mask = mask.astype(bool)
+    cols = mask.any(axis=1)  # [B, Sk]: keys some row sees
+    ar = jnp.arange(sk, dtype=jnp.int32)
+    kv_end = jnp.max(jnp.where(cols, ar + 1, 0), axis=1, initial=0)  # initial: Sk may be 0
+    kv_start = jnp.minimum(jnp.min(jnp.where(cols, ar, sk), axis=1, initial=sk), kv_end)
+    q_len = jnp.full_like(kv_end, sq)
+    q_pos = (kv_end - q_len)[:, None, None] + jnp.arange(sq, dtype=jnp.int32)[None, :, None]
+    k_pos = ar[None, None, :]
+    ok = attention_math.allowed(q_pos, k_pos, causal=causal, window=window)
+    ok = ok & (k_pos >= kv_start[:, None, None]) & (k_pos < kv_end[:, None, None])
+    return jnp.stack([kv_start, kv_end, q_len], axis=1), jnp.all(ok == mask)
+
+
+def _by_mask(run, seq, mask, causal, window, mask_only):
+    """run(seq, mask, causal, window) as the op's arguments say. With ``mask_only`` the mask alone
+    decides (sdpa semantics) and causal/window describe the structure it probably has: the device
+    picks the lengths-only kernel when the mask is exactly that structure, else the masked one."""
+    if mask is None or not mask_only:
+        return run(seq, mask, causal, window)
+    seq, exact = _mask_structure(mask, causal, window)
+    return jax.lax.cond(exact, lambda: run(seq, None, causal, window), lambda: run(seq, mask, False, None))
+
+
 def _forward(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None = None, seq: jax.Array | None = None,
              mask: jax.Array | None = None, scale: float = 0.0, causal: bool = True, window: int = 0,
-             softcap: float = 0.0, block_q: int = 0, block_k: int = 0):
-    return pallas.flash_attention_with_lse(q, k, v, sinks, seq, mask, scale=scale, causal=causal, window=_opt(window),
-                                           softcap=_opt(softcap), block_q=_opt(block_q), block_k=_opt(block_k))
+             softcap: float = 0.0, block_q: int = 0, block_k: int = 0,
+             mask_only: bool = False) -> tuple[jax.Array, jax.Array]:
+    def run(seq, mask, causal, window):
+        return pallas.flash_attention_with_lse(q, k, v, sinks, seq, mask, scale=scale, causal=causal, window=window,
+                                               softcap=_opt(softcap), block_q=_opt(block_q), block_k=_opt(block_k))
+
+    return _by_mask(run, seq, mask, causal, _opt(window), mask_only)
 
 
 def _backward(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None, seq: jax.Array | None,
               mask: jax.Array | None, out: jax.Array, lse: jax.Array, grad: jax.Array, scale: float = 0.0,
-              causal: bool = True, window: int = 0, softcap: float = 0.0, block_q: int = 0, block_k: int = 0):
+              causal: bool = True, window: int = 0, softcap: float = 0.0, block_q: int = 0, block_k: int = 0,
+              mask_only: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     b, hq, sq, _ = q.shape
-    dq, dk, dv, dsinks = pallas._backward(
-        q, k, v, sinks, pallas._canonical_seq(seq, b, sq, k.shape[2]), mask, out, lse, grad,
-        scale=attention_math.resolve_scale(scale, q.shape[3]),
-        causal=causal, window=_opt(window), softcap=_opt(softcap), block_q=_opt(block_q), block_k=_opt(block_k),
-        chip=pallas._chip_from_device())
-    return dq, dk, dv, (jax.numpy.zeros((hq,), jax.numpy.float32) if dsinks is None else dsinks)
+
+    def run(seq, mask, causal, window):
+        dq, dk, dv, dsinks = pallas._backward(
+            q, k, v, sinks, pallas._canonical_seq(seq, b, sq, k.shape[2]), mask, out, lse, grad,
+            scale=attention_math.resolve_scale(scale, q.shape[3]), causal=causal, window=window,
+            softcap=_opt(softcap), block_q=_opt(block_q), block_k=_opt(block_k), chip=pallas._chip_from_device())
+        return dq, dk, dv, (jnp.zeros((hq,), jnp.float32) if dsinks is None else dsinks)
+
+    return _by_mask(run, seq, mask, causal, _opt(window), mask_only)
 
 
 def _fake_forward(q, k, v, sinks=None, seq=None, mask=None, scale=0.0, causal=True, window=0, softcap=0.0,
-                  block_q=0, block_k=0):
+                  block_q=0, block_k=0, mask_only=False):
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _fake_backward(q, k, v, sinks, seq, mask, out, lse, grad, scale=0.0, causal=True, window=0, softcap=0.0,
-                   block_q=0, block_k=0):
+                   block_q=0, block_k=0, mask_only=False):
     ds = torch.empty_like(sinks) if sinks is not None else q.new_empty((q.shape[1],), dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ds
 
@@ -74,8 +116,6 @@ attention = jax_op(add_op_namespace_prefix("attention"), _forward, fake=_fake_fo
 attention_backward = jax_op(add_op_namespace_prefix("attention_backward"), _backward, fake=_fake_backward,
                             validate=_check_backward,
                             returns=tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor])
-
-_STATIC = ("scale", "causal", "window", "softcap", "block_q", "block_k")
 
 
 def _setup_context(ctx, inputs, output):
@@ -96,64 +136,14 @@ attention.register_autograd(_autograd_backward, setup_context=_setup_context)
 
 # --------------------------------------------------------------------------- transformers integration
 
-def _structured(mask: torch.Tensor, *, causal: bool, window: int | None):
-    """Express a boolean mask [B, Sq, Sk] as per-sequence (kv_start, kv_end, q_len) when it is
-    exactly a (left/right) padding mask combined with causal (bottom-right) and the window.
-
-    Returns (seq [B, 3] int32, exact). When not exact, seq still bounds the keys any row may see
-    (so fully padded blocks are skipped) and the kernel must also read the mask.
-    """
-    b, sq, sk = mask.shape
-    cols = mask.any(dim=1)  # [B, Sk]: keys some row may see
-    has = cols.any(dim=1)
-    ar = torch.arange(sk, device=mask.device)
-    kv_start = torch.where(cols, ar, sk).amin(dim=1).where(has, torch.zeros_like(has, dtype=torch.long))
-    kv_end = torch.where(cols, ar + 1, 0).amax(dim=1)
-    kv_start = torch.minimum(kv_start, kv_end)
-    q_len = torch.full_like(kv_end, sq)
-    seq = torch.stack([kv_start, kv_end, q_len], dim=1).to(torch.int32)
-    for cand_causal, cand_window in ((causal, window), (False, None)):
-        rows = torch.arange(sq, device=mask.device)[None, :, None]
-        q_pos = (kv_end - q_len)[:, None, None] + rows
-        k_pos = ar[None, None, :]
-        ok = (k_pos >= kv_start[:, None, None]) & (k_pos < kv_end[:, None, None])
-        if cand_causal:
-            ok = ok & (k_pos <= q_pos)
-        if cand_window is not None:
-            ok = ok & (k_pos > q_pos - cand_window)
-        if torch.equal(ok, mask):
-            return seq, (cand_causal, cand_window)
-    return seq, None
-
-
-class _MaskCache:
-    """transformers passes the same mask object to every layer: convert it once per forward."""
-
-    def __init__(self, size=4):
-        self.size, self.entries = size, {}
-
-    def get(self, mask, causal, window):
-        key = (id(mask), mask._version, causal, window)
-        hit = self.entries.get(key)
-        if hit is not None and hit[0]() is mask:
-            return hit[1]
-        result = _structured(mask[:, 0], causal=causal, window=window)
-        if len(self.entries) >= self.size:
-            self.entries.pop(next(iter(self.entries)))
-        self.entries[key] = (weakref.ref(mask), result)
-        return result
-
-
-_MASKS = _MaskCache()
-
-
 def attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention contract: query [B, Hq, S, D], key/value [B, Hkv, Sk, D], the boolean
     mask of ``sdpa_mask`` ([B, 1, S, Sk], True = attend) or None; returns ((B, S, Hq, D), None).
 
     Reads ``sliding_window``, ``softcap``, ``s_aux`` (sinks) and ``is_causal`` from kwargs, falling
-    back to the module's ``is_causal``. A padding + causal (+ window) mask becomes per-sequence
-    lengths (no mask traffic, padded blocks skipped); any other mask is read block by block.
+    back to the module's ``is_causal``. The mask alone decides (as in sdpa); the device checks
+    whether it is a padding + causal (+ window) mask, which runs on per-sequence lengths (no mask
+    traffic, padded blocks skipped), and reads any other mask block by block. No host sync.
     """
     if dropout:
         raise ValueError(f"pallas_attention does not implement attention dropout; got dropout={dropout} "
@@ -170,7 +160,7 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         raise ValueError(f"sliding_window must be a positive number of tokens, got {window}")
     b, hq, sq, d = query.shape
     sk = key.shape[2]
-    seq = mask = None
+    mask = None
     if attention_mask is not None:
         if attention_mask.dtype != torch.bool:
             raise TypeError(f"attention_mask must be a boolean mask (True = attend) as built by transformers' "
@@ -179,14 +169,10 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         if attention_mask.ndim != 4 or tuple(attention_mask.shape) != (b, 1, sq, sk):
             raise ValueError(f"attention_mask must have shape {(b, 1, sq, sk)} (batch, 1, q_len, kv_len), "
                              f"got {tuple(attention_mask.shape)}")
-        seq, kind = _MASKS.get(attention_mask, bool(causal), window)
-        if kind is None:  # not a padding/causal/window mask: the kernel reads it
-            mask, causal, window = attention_mask[:, 0].to(torch.int8), False, None
-        else:
-            causal, window = kind
+        mask = attention_mask[:, 0].contiguous()
     scale = float(d ** -0.5 if scaling is None else scaling)
-    out, _ = attention(query.contiguous(), key.contiguous(), value.contiguous(), sinks, seq, mask, scale,
-                       bool(causal), int(window or 0), float(softcap or 0.0))
+    out, _ = attention(query.contiguous(), key.contiguous(), value.contiguous(), sinks, None, mask, scale,
+                       bool(causal), int(window or 0), float(softcap or 0.0), 0, 0, True)
     return out.transpose(1, 2), None
 
 

@@ -4,12 +4,14 @@
   softcap=0.0, block_q=0, block_kv=512)``: torch op (scale 0.0 = head_dim**-0.5); see
   ``pallas.ragged_paged_attention`` for layouts.
 * ``write_kv(...)`` -> (k_pages', v_pages'): functional torch op writing new tokens into their pages
-  (the JAX kernel aliases the cache: in place under jit with donation); ``write_kv_`` updates the
-  torch caches in place (on CPU: zero-copy in, one ``copy_`` of each cache out).
+  (the JAX kernel aliases the cache: in place under jit with donation; as a functional torch op it
+  returns new caches); ``write_kv_`` updates the torch caches in place, writing only the new rows.
 * ``paged_attention_forward``: the transformers attention function for continuous batching,
   ``enable_continuous_batching()``: registers it (see CARD.md).
 """
 
+import jax
+import jax.numpy as jnp
 import torch
 
 from . import pallas
@@ -33,25 +35,47 @@ write_kv = jax_op(add_op_namespace_prefix("write_kv"), pallas.write_kv, fake=_fa
                   returns=tuple[torch.Tensor, torch.Tensor], validate=pallas.validate_write)
 
 
+def _write_targets(kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.Array, tokens: int, num_pages: int,
+                   page: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(page, row, source) per new token: token i is written to cache[page[i], row[i]] with the values
+    of new token source[i] (``pallas.write_slots``). A token that must not be written (padding, a target
+    outside the cache) repeats the first written token's target and source, so repeated targets carry
+    identical values; with nothing to write, source is -1 and the target (page 0) keeps its own value."""
+    pid, off = pallas.write_slots(kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32),
+                                  cu_q_lens.astype(jnp.int32), tokens, num_pages, page)
+    ok = pid >= 0
+    j = jnp.argmax(ok)  # the first token written, or 0
+    source = jnp.where(ok, jnp.arange(tokens, dtype=jnp.int32), jnp.where(ok[j], j, -1).astype(jnp.int32))
+    return jnp.where(ok, pid, jnp.maximum(pid[j], 0)), jnp.where(ok, off, off[j]), source
+
+
+_write_targets_op = jax_op(
+    add_op_namespace_prefix("write_targets"), _write_targets,
+    fake=lambda kv_lens, page_indices, cu_q_lens, tokens, num_pages, page: tuple(
+        kv_lens.new_empty((tokens,), dtype=torch.int32) for _ in range(3)),
+    returns=tuple[torch.Tensor, torch.Tensor, torch.Tensor])
+
+
 def write_kv_(k_cache, v_cache, new_k, new_v, kv_lens, page_indices, cu_q_lens):
-    """Write the new tokens into the torch caches ``k_cache``/``v_cache`` in place.
+    """Write the new tokens [T, Hkv, D] into the torch caches ``k_cache``/``v_cache`` in place.
 
-    Runs the functional ``write_kv`` op (zero-copy in on CPU) and copies back only the pages it
-    wrote: k_cache and v_cache may be overlapping views of one buffer (transformers' paged cache
-    interleaves layers' K and V pages), so copying whole caches back would undo each other's writes.
+    The targets are computed on the tensors' device (``pallas.write_slots`` in a small op), then one
+    ``index_put_`` per cache writes the T new rows and nothing else: no host sync, no copy of a cache,
+    and it traces (torch.compile, torch.export). k_cache/v_cache may be overlapping views of one
+    buffer (transformers' paged cache interleaves the layers' K and V pages). TorchTPU runs in-place
+    ops on a tensor or a view with its buffer donated (in-place buffer donation, on by default), so
+    the cache is updated where it lies. The Pallas write kernel is ``write_kv`` (functional; in place
+    for JAX callers that donate the caches under jit).
     """
-    import jax.numpy as jnp
-    import numpy as np
-
-    pid, _ = pallas.write_slots(jnp.asarray(kv_lens.cpu().numpy(), jnp.int32),
-                                jnp.asarray(page_indices.cpu().numpy(), jnp.int32),
-                                jnp.asarray(cu_q_lens.cpu().numpy(), jnp.int32),
-                                new_k.shape[0], k_cache.shape[0], k_cache.shape[1])
-    pid = np.asarray(pid)
-    pages = torch.from_numpy(np.unique(pid[pid >= 0]).astype(np.int64)).to(k_cache.device)
-    k, v = write_kv(k_cache, v_cache, new_k, new_v, kv_lens, page_indices, cu_q_lens)
-    k_cache[pages] = k[pages]
-    v_cache[pages] = v[pages]
+    pallas.validate_write(k_cache, v_cache, new_k, new_v, kv_lens, page_indices, cu_q_lens)
+    tokens = new_k.shape[0]
+    if tokens == 0 or k_cache.shape[0] == 0:  # nothing to write, or no page to write into
+        return
+    pid, off, source = _write_targets_op(kv_lens, page_indices, cu_q_lens, tokens, k_cache.shape[0],
+                                         k_cache.shape[1])
+    write = (source >= 0)[:, None, None]
+    for cache, new in ((k_cache, new_k), (v_cache, new_v)):
+        cache.index_put_((pid, off), torch.where(write, new.index_select(0, source.clamp(min=0)), cache[pid, off]))
 
 
 REGISTRATIONS = [{"registry": "paged_attention", "name": CB_NAME, "function": "paged_attention_forward"}]

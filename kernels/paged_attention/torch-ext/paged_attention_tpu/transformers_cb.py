@@ -18,19 +18,26 @@ _PACK_PAGE = 16  # page size used to re-pack gathered K/V
 
 
 def _pack_gathered(key, cu_k):
-    """Gathered K [Hkv, Tk, D] with request boundaries cu_k -> (pages [P, page, Hkv, D], table [S, n])."""
+    """Gathered K [Hkv, Tk, D] of S requests (boundaries cu_k [S+1]) -> (pages [P, page, Hkv, D], table [S, n]).
+
+    Every size follows from the shapes alone: each request starts a new page, so it wastes less than
+    one, and n = cdiv(Tk, page) columns and P = n + S + 1 pages always suffice (the last one takes the
+    tokens past cu_k[-1], and no table row reads it). So the packing runs on the tensors' device,
+    without a host sync, and traces.
+    """
     hkv, tk, d = key.shape
-    lens = cu_k[1:] - cu_k[:-1]
-    n_pages = (lens + _PACK_PAGE - 1) // _PACK_PAGE
-    first = torch.cumsum(n_pages, 0) - n_pages
-    total = max(int(n_pages.sum()), 1)
-    seq = torch.repeat_interleave(torch.arange(len(lens)), lens)  # request of each gathered token
-    j = torch.arange(int(cu_k[-1])) - cu_k[seq]
-    dest = first[seq] * _PACK_PAGE + j
+    num_seqs = cu_k.shape[0] - 1
+    width = max(-(-tk // _PACK_PAGE), 1)
+    total = width + num_seqs + 1
+    cu = cu_k.to(torch.int64)
+    n_pages = (cu[1:] - cu[:-1] + _PACK_PAGE - 1) // _PACK_PAGE
+    first = torch.cumsum(n_pages, 0) - n_pages  # each request's first page
+    t = torch.arange(tk, device=key.device)
+    seq = (torch.searchsorted(cu, t, right=True) - 1).clamp(0, max(num_seqs - 1, 0))  # request of each token
+    dest = torch.where(t < cu[-1], first[seq] * _PACK_PAGE + t - cu[seq], (total - 1) * _PACK_PAGE + t % _PACK_PAGE)
     pages = key.new_zeros(total * _PACK_PAGE, hkv, d)
-    pages[dest] = key[:, : int(cu_k[-1])].transpose(0, 1)
-    width = max(int(n_pages.max()) if len(lens) else 1, 1)
-    table = (first[:, None] + torch.arange(width)[None, :]).clamp(max=total - 1)
+    pages[dest] = key.transpose(0, 1)
+    table = (first[:, None] + torch.arange(width, device=key.device)[None, :]).clamp(max=total - 1)
     return pages.view(total, _PACK_PAGE, hkv, d), table.to(torch.int32)
 
 
