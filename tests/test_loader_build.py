@@ -88,7 +88,7 @@ def test_building_twice_gives_identical_bytes_and_kernels_digest_validates(tmp_p
     a, b = build.build_kernel(spec, tmp_path / "a"), build.build_kernel(spec, tmp_path / "b")
     files_a = {p.relative_to(a): p.read_bytes() for p in sorted(a.rglob("*")) if p.is_file()}
     files_b = {p.relative_to(b): p.read_bytes() for p in sorted(b.rglob("*")) if p.is_file()}
-    assert files_a == files_b and len(files_a) == 18
+    assert files_a == files_b and len(files_a) == 22
     assert spec.variants == {"torch-tpu": "tpu", "torch-cpu": "cpu"}  # never torch-universal (every host accepts it)
     for variant, backend in spec.variants.items():
         raw = (a / variant / "metadata.json").read_bytes()
