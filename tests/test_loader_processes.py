@@ -90,13 +90,17 @@ def test_a_fetch_killed_at_any_point_is_repaired_by_the_next_fetch(remote, tmp_p
     elif point == "in the middle of a file":
         remote.half.add("/_bridge.py")  # every copy of it: half the bytes, then nothing
     elif point == "between the two variants":
-        remote.hold.add(resolve + "build/torch-cpu/")  # torch-tpu completes, torch-cpu never starts
+        remote.hold.add(resolve + "build/torch-tpu/")  # torch-cpu (first in order) completes, torch-tpu never starts
     else:
         extra["PAUSE_IN_IMPORT"] = str(marker)
     child = subprocess.Popen([sys.executable, "-c", FETCH, REPO, str(cache)], env=_env(
         tmp_path, HF_ENDPOINT=remote.url, **extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    snapshot = cache / FOLDER / "snapshots" / remote.commit
     if point == "importing the kernel":
         _wait_for(marker.exists, child, point)
+    elif point == "between the two variants":  # wait for torch-cpu to land whole (no fixed sleep: loaded machines)
+        first = [f for f in remote.files(REPO, remote.commit) if f.startswith("build/torch-cpu/")]
+        _wait_for(lambda: remote.waiting and all((snapshot / f).is_file() for f in first), child, point)
     else:
         _wait_for(lambda: remote.waiting, child, point)
         time.sleep(0.3)  # let the other downloads of the pool land
@@ -104,10 +108,9 @@ def test_a_fetch_killed_at_any_point_is_repaired_by_the_next_fetch(remote, tmp_p
     remote.hold.clear()
     remote.half.clear()
 
-    snapshot = cache / FOLDER / "snapshots" / remote.commit
     if point == "between the two variants":  # the state the issue describes: one variant whole, the other absent
-        assert (snapshot / "build" / "torch-tpu" / "metadata.json").is_file()
-        assert not (snapshot / "build" / "torch-cpu").exists()
+        assert (snapshot / "build" / "torch-cpu" / "metadata.json").is_file()
+        assert not (snapshot / "build" / "torch-tpu").exists()
     got = fetch(REPO, 1, trust=[REPO], source=Hub(endpoint=remote.url, cache_dir=cache))
     assert (got.commit, got.variant, got.module.VERSION_MARK) == (remote.commit, "torch-cpu", "remote")
     assert verify_snapshot(snapshot, "repaired") == got.digest
