@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent
 
 @pytest.fixture(scope="session")
 def load_kernel(tmp_path_factory):
-    """load_kernel("ragged_dot" | path, variant="torch-universal") -> the built kernel module.
+    """load_kernel("ragged_dot" | path, variant="torch-cpu") -> the built kernel module.
 
     Builds with pallas_hub.hub.build (shared modules vendored, unique op namespace) into a per-session temp
     folder and imports through kernels.get_local_kernel, exactly as a Hub download would be.
@@ -25,7 +25,7 @@ def load_kernel(tmp_path_factory):
 
     cache = {}
 
-    def load(kernel, variant="torch-universal"):
+    def load(kernel, variant="torch-cpu"):
         path = Path(kernel) if os.sep in str(kernel) else ROOT / "kernels" / str(kernel)
         if path not in cache:
             spec = manifest.load_kernel(path)

@@ -68,9 +68,18 @@ FULL = [
 ]
 
 
+DEMO_CHECK = '''
+def check(kernel, out=print):
+    """TEST DOUBLE's demo check: the fetched module is the double, with its declarations."""
+    out("  double: fetched " + kernel.__name__)
+    return [("double declares its registrations", isinstance(kernel.REGISTRATIONS, list))]
+'''
+
+
 def make_kernel(root: Path, name: str = "double-tpu", *, version: int = 1, org: str = "pallas-hub-tests",
                 registrations=None, mark: str = "a", source: str | None = None) -> Path:
-    """Write kernel package ``name`` (build.toml + torch-ext/<pkg>/__init__.py) under ``root/name``."""
+    """Write kernel package ``name`` (build.toml + torch-ext/<pkg>/__init__.py, CARD.md, demo_check.py) under
+    ``root/name``."""
     path = Path(root) / name
     pkg = path / "torch-ext" / name.replace("-", "_")
     pkg.mkdir(parents=True, exist_ok=True)
@@ -80,7 +89,7 @@ def make_kernel(root: Path, name: str = "double-tpu", *, version: int = 1, org: 
         version = {version}
         edition = 5
         license = "Apache-2.0"
-        backends = ["tpu"]
+        backends = ["tpu", "cpu"]
         [general.hub]
         repo-id = "{org}/{name}"
         [torch-noarch]
@@ -89,6 +98,7 @@ def make_kernel(root: Path, name: str = "double-tpu", *, version: int = 1, org: 
     regs = FULL if registrations is None else registrations
     (pkg / "__init__.py").write_text(source or DOUBLE_SOURCE.replace("@MARK@", repr(mark)).replace("@REGISTRATIONS@", repr(regs)))
     (path / "CARD.md").write_text(f"# {name}\n\nA test double.\n")
+    (path / "demo_check.py").write_text(DEMO_CHECK)
     return path
 
 

@@ -7,13 +7,15 @@ snapshot_download/hf_hub_download call): POST /api/repos/create, POST /api/kerne
 GET /api/kernels/{id}/refs, GET /api/kernels/{id}/tree/{rev}[/{path}], POST /api/kernels/{id}/preupload/{rev},
 POST /api/kernels/{id}/commit/{rev} (ndjson, base64 "file" and "deletedFile" lines),
 GET /api/kernels/{id}/revision/{rev}, POST /api/validate-yaml, GET /api/organizations/{org}/overview,
+(a commit with ``create_pr=1`` opens a pull request, recorded in ``pulls``, and leaves the branch as it was),
 HEAD/GET /kernels/{id}/resolve/{rev}/{path}.
 
 Misbehaviour on demand, to test the client against a hostile or failing server: ``tamper`` (other
 bytes, consistent ETag), ``etags`` / ``commit_headers`` (crafted ETag or X-Repo-Commit headers),
 ``gone`` (a listed file answers 404), ``broken`` (the body never comes), ``hold`` / ``half``
 (requests wait, before any byte or after half the body, until the entry is removed: a client can be
-killed at a known point), ``require_token`` (writes without a token get 401, as on the Hub).
+killed at a known point), ``require_token`` (writes without a token, or with another token than the
+one it names, get 401, as on the Hub).
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class FakeHub:
         self.hold: set[str] = set()  # URL path prefixes whose requests wait (no byte sent) while listed
         self.half: set[str] = set()  # path suffixes whose GET sends half the body, then waits while listed
         self.waiting: list[str] = []  # requests that reached a hold or half (a client may now be killed)
-        self.require_token = False
+        self.require_token: bool | str = False
+        self.pulls: list[dict] = []  # pull requests opened by commits with create_pr: {"repo_id", "base", "commit"}
         self.lock = threading.Lock()
         self._n = 0
         handler = type("Handler", (_Handler,), {"hub": self})
@@ -136,7 +139,9 @@ class _Handler(BaseHTTPRequestHandler):
         held = next((prefix for prefix in list(hub.hold) if path.startswith(prefix)), None)
         if held is not None:
             hub.wait_while(hub.hold, held, path)
-        if method == "POST" and hub.require_token and not self.headers.get("Authorization"):
+        token = self.headers.get("Authorization")
+        if method == "POST" and hub.require_token and (
+                not token or (isinstance(hub.require_token, str) and token != f"Bearer {hub.require_token}")):
             self._body()
             return self._error(401, "Unauthorized", "Invalid username or password.")
         m = re.fullmatch(r"/kernels/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
@@ -232,6 +237,12 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._error(400, "BadRequest", f"unsupported commit operation {key}")
         sha = self.hub._new_commit(tree)
         repo["commits"][sha] = tree
+        if query.get("create_pr", ["0"])[0] in ("1", "true", "True"):  # the branch stays; the change waits in a PR
+            self.hub.pulls.append({"repo_id": repo_id, "base": rest, "commit": sha})
+            number = len(self.hub.pulls)
+            return self._send(200, {"commitUrl": f"{self.hub.url}/kernels/{repo_id}/commit/{sha}", "commitOid": sha,
+                                    "pullRequestUrl": f"{self.hub.url}/kernels/{repo_id}/discussions/{number}",
+                                    "success": True})
         repo["branches"][rest] = sha
         self._send(200, {"commitUrl": f"{self.hub.url}/kernels/{repo_id}/commit/{sha}", "commitOid": sha,
                          "success": True})

@@ -58,7 +58,7 @@ def _run_with_kernels_runner(spec, script: Path, tmp_path: Path):
     classes = discover_benchmark_classes(script, script.parent)
     assert classes, f"{script}: no kernels.benchmark.Benchmark subclass"
     for cls in classes:
-        results, _ = run_benchmark_class(cls, iterations=2, warmup=1, repo_id=str(build / "torch-universal"),
+        results, _ = run_benchmark_class(cls, iterations=2, warmup=1, repo_id=str(build / "torch-cpu"),
                                          is_local=True, revision="")
         assert results, f"{script}: {cls.__name__} ran no workload"
         for name, timing in results.items():

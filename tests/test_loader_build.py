@@ -35,6 +35,8 @@ def _kernel(tmp_path, text):
     (("version = 1", "version = \"1\""), "'version' must be an integer"),
     (("version = 1", "version = 1.5"), "'version' must be an integer"),
     (("backends = [\"tpu\"]", "backends = [\"tpu\", \"gpu\"]"), "unknown backend(s) ['gpu']"),
+    # a Pallas TPU kernel has no CUDA build: kernels would resolve it on CUDA hosts, where the ops refuse every tensor
+    (("backends = [\"tpu\"]", "backends = [\"tpu\", \"cuda\"]"), "backends ['cuda'] cannot run a Pallas TPU kernel"),
     (("[torch-noarch]\n", ""), "missing table [torch-noarch]"),
     (("repo-id = \"org/ok-tpu\"", "repo-id = \"ok-tpu\""), "must look like 'org/name'"),
     (("edition = 5", "edition = [5"), "not valid TOML"),
@@ -87,7 +89,8 @@ def test_building_twice_gives_identical_bytes_and_kernels_digest_validates(tmp_p
     files_a = {p.relative_to(a): p.read_bytes() for p in sorted(a.rglob("*")) if p.is_file()}
     files_b = {p.relative_to(b): p.read_bytes() for p in sorted(b.rglob("*")) if p.is_file()}
     assert files_a == files_b and len(files_a) == 22
-    for variant, backend in build.VARIANTS.items():
+    assert spec.variants == {"torch-tpu": "tpu", "torch-cpu": "cpu"}  # never torch-universal (every host accepts it)
+    for variant, backend in spec.variants.items():
         raw = (a / variant / "metadata.json").read_bytes()
         meta = json.loads(raw)
         assert (meta["name"], meta["version"], meta["backend"], meta["python-depends"]) == \
@@ -95,7 +98,7 @@ def test_building_twice_gives_identical_bytes_and_kernels_digest_validates(tmp_p
         parsed = Metadata.from_bytes(raw)  # kernels' own (Rust) parser
         parsed.digest.validate(Digest.hash_variant(parsed.digest.algorithm, a / variant))
         assert set(parsed.digest.files) == {str(p.relative_to(a / variant)) for p in (a / variant).rglob("*.py")}
-    ids = {json.loads((a / v / "metadata.json").read_bytes())["id"] for v in build.VARIANTS}
+    ids = {json.loads((a / v / "metadata.json").read_bytes())["id"] for v in spec.variants}
     assert len(ids) == 2  # one unique id (= sys.modules key and op namespace) per variant
 
 
@@ -114,7 +117,7 @@ def test_shared_modules_are_vendored_byte_for_byte_where_imported(key, tmp_path)
     assert set(shared) == {"_bridge.py", "_chips.py", "_attention_math.py"}
     assert not set(shared) & {p.name for p in spec.source.iterdir()}, "a kernel keeps a copy of a shared module"
     out = build.build_kernel(spec, tmp_path)
-    for variant in build.VARIANTS:
+    for variant in spec.variants:
         for package in (out / variant, out / variant / spec.package):
             present = {p.name for p in package.glob("_*.py")} - {"_ops.py", "__init__.py"}
             assert present == VENDORED[key]
@@ -140,3 +143,50 @@ def test_shared_imports_are_found_in_every_form():
     files = {"__init__.py": b"from . import _c as c, pallas  # comment\n", "pallas.py": b"from ._a import y\n"}
     assert build.imported_shared(files, shared) == ["_a.py", "_b.py", "_bridge.py", "_c.py"]
     assert build.imported_shared({"x.py": b"import os\n"}, shared) == ["_bridge.py"]
+
+
+def test_variants_follow_the_backends_and_a_stale_variant_is_removed(tmp_path):
+    spec = manifest.load_kernel(_kernel(tmp_path, GOOD))
+    (spec.path / "build" / "torch-universal").mkdir(parents=True)  # what an older pallas-hub built
+    out = build.build_kernel(spec)
+    assert sorted(p.name for p in out.iterdir()) == ["torch-tpu"]  # backends = ["tpu"]: no CPU build either
+    both = manifest.load_kernel(_kernel(tmp_path / "both", GOOD.replace('["tpu"]', '["tpu", "cpu"]')))
+    assert sorted(p.name for p in build.build_kernel(both).iterdir()) == ["torch-cpu", "torch-tpu"]
+
+
+def _git(folder, *args):
+    import subprocess
+
+    subprocess.run(["git", "-C", str(folder), "-c", "user.name=t", "-c", "user.email=t@t", *args], check=True,
+                   capture_output=True)
+
+
+def test_metadata_names_the_source_repository_and_the_commit_it_was_built_from(tmp_path):
+    from kernels._rust import Metadata
+
+    root = tmp_path / "hub"
+    (root / "kernels").mkdir(parents=True)
+    (root / "build.toml").write_text('[hub]\nnamespace = "org"\nsource = "https://example.org/org/hub"\n'
+                                     '[kernels.ok]\npath = "kernels/ok"\n')
+    _kernel(root / "kernels" / "ok", GOOD)
+    (root / "kernels" / "ok" / "torch-ext" / "ok_tpu" / "__init__.py").write_text("X = 1\n")
+    spec = manifest.load_manifest(root).kernels["ok"]
+    meta = lambda: Metadata.from_bytes(build.variant_files(spec, "torch-tpu")["metadata.json"])  # noqa: E731
+    assert meta().source == "https://example.org/org/hub" and meta().provenance.kernel is None  # not in git
+    _git(root, "init", "-q")
+    _git(root, "add", ".")
+    _git(root, "commit", "-qm", "kernel")
+    head = lambda: __import__("subprocess").run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,  # noqa: E731
+                                                text=True).stdout.strip()
+    first = head()
+    got = meta().provenance
+    assert (got.kernel.commit, got.kernel.dirty, got.kernel_builder.version) == (first, False, "pallas-hub 0.1.0")
+    (root / "README.md").write_text("elsewhere\n")  # a commit that does not touch the kernel: same build, same bytes
+    _git(root, "add", ".")
+    _git(root, "commit", "-qm", "docs")
+    assert head() != first and meta().provenance.kernel.commit == first
+    (spec.source / "__init__.py").write_text("X = 2\n")  # uncommitted change to the kernel
+    assert meta().provenance.kernel.dirty
+    with pytest.raises(manifest.ManifestError, match=r"source must be the URL"):
+        (root / "build.toml").write_text('[hub]\nnamespace = "org"\nsource = "not a url"\n')
+        manifest.load_manifest(root)

@@ -1,6 +1,7 @@
 """Reliability and security of fetching (issue item 6), each with its failure provoked for real."""
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -11,7 +12,8 @@ from fakehub import FakeHub
 from doubles import build_double
 
 from pallas_hub.hub import fetch as fetch_mod, manifest
-from pallas_hub.hub.fetch import (DigestMismatch, Hub, HubError, HubUnreachable, LockMismatch, NoVariant, UntrustedRepo,
+from pallas_hub.hub.fetch import (DigestMismatch, Hub, HubError, HubUnreachable, LockFileError, LockMismatch, NoVariant,
+                              UntrustedRepo,
                               VersionNotFound, fetch, read_lock, write_lock)
 from pallas_hub.hub.publish import LocalHub, publish_hub
 
@@ -46,7 +48,7 @@ def test_untrusted_repo_is_refused_with_how_to_trust_it(tmp_path):
     hub = LocalHub(tmp_path / "hub")
     spec = build_double(tmp_path / "src", mark=str(tmp_path))  # unique code, so a unique module id
     hub.publish(spec, progress=None)
-    module_id = json.loads((spec.path / "build" / "torch-universal" / "metadata.json").read_text())["id"]
+    module_id = json.loads((spec.path / "build" / "torch-cpu" / "metadata.json").read_text())["id"]
     for trust in ([], [OTHER], ["pallas-hub-tests/double"], REPO):  # exact repo ids only; a bare string is not a list
         with pytest.raises(UntrustedRepo, match=r"trust=\['pallas-hub-tests/double-tpu'\] \(CLI: --trust "):
             fetch(REPO, 1, trust=trust, source=hub)
@@ -70,17 +72,17 @@ def test_missing_version_lists_the_versions_that_exist(hub, tmp_path, fake):
 
 def test_tampered_local_hub_is_refused_and_the_rest_stays_usable(hub, tmp_path):
     commit = hub.versions(REPO)[1]
-    victim = hub.snapshot(REPO, commit) / "build" / "torch-universal" / "_bridge.py"
+    victim = hub.snapshot(REPO, commit) / "build" / "torch-tpu" / "_bridge.py"
     victim.write_bytes(victim.read_bytes() + b"\nimport os  # injected\n")
-    with pytest.raises(DigestMismatch, match=r"build/torch-universal does not match its digest: File hash mismatch "
+    with pytest.raises(DigestMismatch, match=r"build/torch-tpu does not match its digest: File hash mismatch "
                                              r"for _bridge.py.*Nothing was imported"):
         fetch(REPO, 1, trust=[REPO], source=hub)
     assert fetch(OTHER, 1, trust=[OTHER], source=hub).module  # another kernel of the same hub still loads
-    meta_file = hub.snapshot(REPO, commit) / "build" / "torch-tpu" / "metadata.json"
+    meta_file = hub.snapshot(REPO, commit) / "build" / "torch-cpu" / "metadata.json"  # checked first
     meta = json.loads(meta_file.read_text())
     del meta["digest"]
     meta_file.write_text(json.dumps(meta))
-    with pytest.raises(DigestMismatch, match="torch-tpu has a metadata.json with no digest, so it cannot be verified"):
+    with pytest.raises(DigestMismatch, match="torch-cpu has a metadata.json with no digest, so it cannot be verified"):
         fetch(REPO, 1, trust=[REPO], source=hub)
     hub.publish(manifest.load_kernel(tmp_path / "src" / "double-tpu"), progress=None)  # republishing repairs it
     assert fetch(REPO, 1, trust=[REPO], source=hub).commit == commit
@@ -135,11 +137,10 @@ def test_a_variant_that_does_not_fit_the_host_names_the_variants(tmp_path, monke
     import shutil
 
     spec = build_double(tmp_path / "src")
-    shutil.rmtree(spec.path / "build" / "torch-universal")  # a TPU-only upload
+    shutil.rmtree(spec.path / "build" / "torch-cpu")  # a TPU-only upload
     hub = LocalHub(tmp_path / "hub")
     hub.publish(spec, progress=None)
-    with pytest.raises(NoVariant, match=r"no build variant fits this host \(no TorchTPU: cpu\); the variants "
-                                        r"available are: torch-tpu"):
+    with pytest.raises(NoVariant, match=r"has no build for this host's backend \(cpu\); it publishes torch-tpu\. "):
         fetch(REPO, 1, trust=[REPO], source=hub)
     # on a TorchTPU host (torch_tpu 0.2.0 leaves torch.backends.tpu unset) the loader selects torch-tpu itself
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: types.SimpleNamespace(type="tpu"))
@@ -147,8 +148,25 @@ def test_a_variant_that_does_not_fit_the_host_names_the_variants(tmp_path, monke
     assert got.variant == "torch-tpu" and not hasattr(torch.backends, "tpu")  # the shim is removed afterwards
 
 
+@pytest.mark.parametrize("host", ["cuda", "metal"])
+def test_a_cuda_or_mps_host_is_told_at_load_time_that_no_build_fits(hub, monkeypatch, host):
+    """SIMULATED hosts: torch.version.cuda / torch.backends.mps.is_available are patched so that kernels'
+    backend detection sees a CUDA or Metal (MPS) host. kernels would accept a torch-universal build there
+    (and the first op would refuse the tensors); we publish none, so the load itself says why."""
+    from kernels.backends import _backend
+
+    if host == "cuda":
+        monkeypatch.setattr(torch.version, "cuda", "12.8")
+    else:
+        monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    assert _backend().name == host
+    with pytest.raises(NoVariant, match=rf"no build for this host's backend \({host}\); it publishes torch-cpu, "
+                                        r"torch-tpu\. .*no build for CUDA, ROCm, XPU or Metal \(MPS\) hosts"):
+        fetch(REPO, 1, trust=[REPO], source=hub)
+
+
 def test_torchtpu_host_prefers_the_tpu_variant(hub, monkeypatch):
-    assert fetch(REPO, 1, trust=[REPO], source=hub).variant == "torch-universal"
+    assert fetch(REPO, 1, trust=[REPO], source=hub).variant == "torch-cpu"
     monkeypatch.setattr(fetch_mod, "on_torchtpu_host", lambda: True)
     assert fetch(REPO, 1, trust=[REPO], source=hub).variant == "torch-tpu"
 
@@ -192,7 +210,7 @@ def test_concurrent_fetches_of_one_kernel_do_not_corrupt_the_cache(fake, tmp_pat
 
 
 def test_a_lock_file_pins_commit_and_digest_and_is_honoured_offline(hub, fake, tmp_path):
-    lock = tmp_path / "kernels.lock"
+    lock = tmp_path / "pallas-hub.lock"
     first = fetch(REPO, 1, trust=[REPO], source=hub)
     write_lock(lock, [first])
     entry = json.loads(lock.read_text())["kernels"][0]
@@ -207,7 +225,7 @@ def test_a_lock_file_pins_commit_and_digest_and_is_honoured_offline(hub, fake, t
         fetch(REPO, 2, trust=[REPO], source=hub, lock=read_lock(lock))
 
     # a consistent rewrite (file and its metadata digest both changed) passes the digest but not the lock
-    variant = hub.snapshot(REPO, first.commit) / "build" / "torch-universal"
+    variant = hub.snapshot(REPO, first.commit) / "build" / "torch-cpu"
     meta = json.loads((variant / "metadata.json").read_text())
     meta["license"] = "changed"
     (variant / "metadata.json").write_text(json.dumps(meta))
@@ -222,3 +240,38 @@ def test_a_lock_file_pins_commit_and_digest_and_is_honoured_offline(hub, fake, t
     offline = Hub(endpoint=fake.url, cache_dir=cache, offline=True)
     assert fetch(REPO, trust=[REPO], source=offline, lock=read_lock(lock)).commit == online.commit
     assert fetch(REPO, 1, trust=[REPO], source=offline).commit == online.commit
+
+
+def test_our_lock_file_never_takes_the_kernels_librarys_name_or_format(hub, fake, tmp_path, monkeypatch, capsys):
+    """kernels.lock belongs to the kernels library (`kernels lock` writes it, `kernels download` reads it): writing
+    pallas-hub's format there made `kernels download .` fail with "Cannot parse KernelLocks"."""
+    from kernels._rust import KernelDependency, KernelLock, KernelLocks, KernelVersion
+
+    from pallas_hub import cli, load
+
+    with pytest.raises(LockFileError, match=r"kernels.lock is the kernels library's lock file .* as pallas-hub.lock"):
+        load([REPO], version=1, trust=[REPO], source=hub, write_lock_to=tmp_path / "kernels.lock", do_register=False)
+    assert not (tmp_path / "kernels.lock").exists()
+    assert cli.main(["fetch", REPO, "--version", "1", "--trust", REPO, "--local-hub", str(hub.root),
+                     "--write-lock", str(tmp_path / "kernels.lock")]) == 1
+    assert "write pallas-hub's lock file as pallas-hub.lock" in capsys.readouterr().err
+
+    # ours, under its own name, beside a real kernels.lock: `kernels download` reads its file, we read ours
+    ours = tmp_path / "pallas-hub.lock"
+    source = Hub(endpoint=fake.url, cache_dir=tmp_path / "ours")
+    load([REPO], version=1, trust=[REPO], source=source, write_lock_to=ours, do_register=False)
+    commit = read_lock(ours)[REPO]["commit"]
+    assert commit == fake.commit
+    theirs = KernelLocks(locks={KernelDependency(REPO, KernelVersion.Version(1)): KernelLock(commit)}).to_json()
+    (tmp_path / "kernels.lock").write_text(theirs)
+    with pytest.raises(LockFileError, match=r"kernels.lock is a kernels library lock file .* not pallas-hub's "
+                                            r"pallas-hub.lock"):
+        read_lock(tmp_path / "kernels.lock")
+    env = {**os.environ, "HF_ENDPOINT": fake.url, "HF_HUB_CACHE": str(tmp_path / "theirs"),
+           "KERNELS_CACHE": str(tmp_path / "theirs"), "HF_TOKEN": "hf_fake"}
+    done = subprocess.run([sys.executable, "-c", "import sys; from kernels.cli import main; sys.exit(main())", "download",
+                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"Downloading kernel: {REPO} (revision: {commit})" in done.stderr
+    assert (tmp_path / "theirs" / "kernels--pallas-hub-tests--double-tpu" / "snapshots" / commit / "build" /
+            "torch-cpu" / "metadata.json").is_file()

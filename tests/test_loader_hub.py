@@ -36,8 +36,8 @@ def test_local_hub_layout_is_idempotent_and_keeps_versions(kernel, tmp_path, cap
     repo = tmp_path / "hub" / "kernels--pallas-hub-tests--double-tpu"
     assert (repo / "refs" / "v1").read_text() == c1
     snap = _tree(repo / "snapshots" / c1)
-    assert snap == version_files(kernel) and {"build/torch-tpu/metadata.json", "build/torch-universal/__init__.py",
-                                              "build/torch-universal/double_tpu/__init__.py"} <= set(snap)
+    assert snap == version_files(kernel) and {"build/torch-tpu/metadata.json", "build/torch-cpu/__init__.py",
+                                              "build/torch-cpu/double_tpu/__init__.py"} <= set(snap)
     assert (repo / "snapshots" / (repo / "refs" / "main").read_text() / "README.md").read_bytes().startswith(b"# double")
     v2 = manifest.load_kernel(make_kernel(tmp_path / "src2", version=2, mark="v2"))
     build.build_kernel(v2)
@@ -79,8 +79,8 @@ def test_publish_to_the_hub_api_and_download_back_through_kernels_get_kernel(ker
         monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
         module = get_kernel(REPO, version=1, trust_remote_code=[REPO])
         variant = Path(module.__file__).parent
-        assert variant.as_posix().endswith(f"/snapshots/{commit}/build/torch-universal")
-        assert _tree(variant) == _tree(kernel.path / "build" / "torch-universal")
+        assert variant.as_posix().endswith(f"/snapshots/{commit}/build/torch-cpu")
+        assert _tree(variant) == _tree(kernel.path / "build" / "torch-cpu")
         assert any(p.endswith(f"/tree/{commit}/build") for _, p in fake.requests)  # variants listed online
 
         # and the loader's own fetch from the same server: every variant downloaded and verified
@@ -91,7 +91,7 @@ def test_publish_to_the_hub_api_and_download_back_through_kernels_get_kernel(ker
 def test_cli_publish_fetch_list(kernel, tmp_path, capsys):
     hub = str(tmp_path / "hub")
     assert cli.main(["publish", "--path", str(kernel.path), "--local-hub", hub]) == 0
-    lock = tmp_path / "kernels.lock"
+    lock = tmp_path / "pallas-hub.lock"
     assert cli.main(["fetch", REPO, "--version", "1", "--local-hub", hub]) == 1  # not trusted
     assert "--trust pallas-hub-tests/double-tpu" in capsys.readouterr().err
     assert cli.main(["fetch", REPO, "--version", "1", "--trust", REPO, "--local-hub", hub,

@@ -90,13 +90,17 @@ def test_a_fetch_killed_at_any_point_is_repaired_by_the_next_fetch(remote, tmp_p
     elif point == "in the middle of a file":
         remote.half.add("/_bridge.py")  # every copy of it: half the bytes, then nothing
     elif point == "between the two variants":
-        remote.hold.add(resolve + "build/torch-universal/")  # torch-tpu completes, torch-universal never starts
+        remote.hold.add(resolve + "build/torch-tpu/")  # torch-cpu (first in order) completes, torch-tpu never starts
     else:
         extra["PAUSE_IN_IMPORT"] = str(marker)
     child = subprocess.Popen([sys.executable, "-c", FETCH, REPO, str(cache)], env=_env(
         tmp_path, HF_ENDPOINT=remote.url, **extra), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    snapshot = cache / FOLDER / "snapshots" / remote.commit
     if point == "importing the kernel":
         _wait_for(marker.exists, child, point)
+    elif point == "between the two variants":  # wait for torch-cpu to land whole (no fixed sleep: loaded machines)
+        first = [f for f in remote.files(REPO, remote.commit) if f.startswith("build/torch-cpu/")]
+        _wait_for(lambda: remote.waiting and all((snapshot / f).is_file() for f in first), child, point)
     else:
         _wait_for(lambda: remote.waiting, child, point)
         time.sleep(0.3)  # let the other downloads of the pool land
@@ -104,12 +108,11 @@ def test_a_fetch_killed_at_any_point_is_repaired_by_the_next_fetch(remote, tmp_p
     remote.hold.clear()
     remote.half.clear()
 
-    snapshot = cache / FOLDER / "snapshots" / remote.commit
     if point == "between the two variants":  # the state the issue describes: one variant whole, the other absent
-        assert (snapshot / "build" / "torch-tpu" / "metadata.json").is_file()
-        assert not (snapshot / "build" / "torch-universal").exists()
+        assert (snapshot / "build" / "torch-cpu" / "metadata.json").is_file()
+        assert not (snapshot / "build" / "torch-tpu").exists()
     got = fetch(REPO, 1, trust=[REPO], source=Hub(endpoint=remote.url, cache_dir=cache))
-    assert (got.commit, got.variant, got.module.VERSION_MARK) == (remote.commit, "torch-universal", "remote")
+    assert (got.commit, got.variant, got.module.VERSION_MARK) == (remote.commit, "torch-cpu", "remote")
     assert verify_snapshot(snapshot, "repaired") == got.digest
     assert not list(cache.glob(f"{FOLDER}/blobs/*.incomplete"))
     remote.__exit__()  # and the repaired cache works offline
@@ -171,8 +174,8 @@ def test_a_publish_killed_at_any_point_is_repaired_by_the_next_publish(tmp_path,
     with pytest.raises(VersionNotFound):
         fetch(REPO, 1, trust=[REPO], source=hub)
     if point == "build":  # the second variant is half-written: publishing it as it is is refused
-        assert not (spec.path / "build" / "torch-universal" / "metadata.json").exists()
-        with pytest.raises(VariantError, match="torch-universal has no metadata.json"):
+        assert not (spec.path / "build" / "torch-cpu" / "metadata.json").exists()
+        with pytest.raises(VariantError, match="torch-cpu has no metadata.json"):
             hub.publish(spec, progress=None)
     if point == "snapshot":
         assert list(hub.repo_dir(REPO).glob("snapshots/.staging-*"))
@@ -230,5 +233,5 @@ def test_five_processes_publishing_and_fetching_at_once_never_publish_or_accept_
     main = (hub.repo_dir(REPO) / "refs" / "main").read_text()  # the card
     assert {p.name for p in hub.repo_dir(REPO).glob("snapshots/*")} == {expected, main}  # no other version made
     assert len(seen) >= 10 and all(
-        commit == expected and mark == str(tmp_path) and variants == ["torch-tpu", "torch-universal"]
+        commit == expected and mark == str(tmp_path) and variants == ["torch-cpu", "torch-tpu"]
         for commit, mark, variants in seen), seen

@@ -99,7 +99,7 @@ def test_demo_flow_matches_transformers_defaults_with_the_test_double(tmp_path):
     text = "\n".join(lines)
     assert "pallas-hub-tests/double-tpu v1 commit" in text and "from local hub" in text
     assert "registered experts          double_experts" in text
-    assert "-> MATCH" in text and "identical tokens vs per-prompt generate" in text and "all 5 checks passed" in text
+    assert "-> MATCH" in text and "identical tokens vs per-prompt generate" in text and "all 6 checks passed" in text
     assert "MISSING" not in text and _snapshot() == before
 
 
@@ -130,3 +130,20 @@ def test_demo_reports_missing_roles_and_fails_on_a_mismatch(tmp_path):
     assert "ok   attention alone: MoE logits match the defaults" in text
     assert "MISSING: no kernel in the manifest provides a continuous-batching attention" in text
     assert "-> MISMATCH" in text and "FAIL MoE logits match the defaults" in text
+
+
+def test_demo_runs_every_kernels_own_check_and_a_kernel_without_one_fails(tmp_path):
+    """No kernel is skipped: one that registers nothing still gets its demo_check.py run, and one without a
+    demo check fails the demo, naming the file to add."""
+    lines = []
+    root = _root(tmp_path)
+    quiet = make_kernel(root / "kernels", name="quiet-tpu", registrations=[])
+    silent = make_kernel(root / "kernels", name="silent-tpu", registrations=[])
+    (silent / "demo_check.py").unlink()
+    with open(root / "build.toml", "a") as f:
+        f.write('[kernels.quiet]\npath = "kernels/quiet-tpu"\n[kernels.silent]\npath = "kernels/silent-tpu"\n')
+    assert demo.run(root, local_hub=tmp_path / "hub", compile_matrix=False, out=lines.append) == 1
+    text = "\n".join(lines)
+    assert text.count("  double: fetched _") == 2 and "_quiet_tpu_cpu_" in text  # double and quiet checked
+    assert f"FAILED silent demo check: ManifestError: declares no demo check: add {silent / 'demo_check.py'}" in text
+    assert "demo: 1 check(s) FAILED" in text

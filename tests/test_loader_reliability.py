@@ -49,7 +49,7 @@ def test_a_link_out_of_the_cache_is_refused_and_what_it_points_to_is_never_delet
     cache = tmp_path / "cache"
     source = _hub_source(fake, cache)
     first = fetch(REPO, 1, trust=[REPO], source=source)
-    variant = cache / FOLDER / "snapshots" / first.commit / "build" / "torch-universal"
+    variant = cache / FOLDER / "snapshots" / first.commit / "build" / "torch-cpu"
     victim = tmp_path / "home" / "thesis.tex"
     victim.parent.mkdir()
     victim.write_text("years of work\n")
@@ -92,7 +92,7 @@ def test_a_link_planted_in_the_local_hub_is_refused_and_publishing_again_removes
     commit = hub.publish(spec, progress=None)
     victim = tmp_path / "notes.txt"
     victim.write_text("keep me\n")
-    (hub.snapshot(REPO, commit) / "build" / "torch-universal" / "notes.py").symlink_to(victim)
+    (hub.snapshot(REPO, commit) / "build" / "torch-cpu" / "notes.py").symlink_to(victim)
     with pytest.raises(Tampered, match="notes.py links to"):
         fetch(REPO, 1, trust=[REPO], source=hub)
     hub.publish(spec, progress=None)  # the damaged snapshot is replaced; the link removed, not followed
@@ -108,14 +108,14 @@ def test_a_snapshot_missing_a_whole_variant_is_completed_online_and_refused_offl
     cache = tmp_path / "cache"
     first = fetch(REPO, 1, trust=[REPO], source=_hub_source(fake, cache))
     snapshot = cache / FOLDER / "snapshots" / first.commit
-    shutil.rmtree(snapshot / "build" / "torch-universal")  # what a fetch killed between the variants leaves
-    with pytest.raises(HubError, match=r"is incomplete in the cache .*build/torch-universal/.*fetch it once online"):
+    shutil.rmtree(snapshot / "build" / "torch-cpu")  # what a fetch killed between the variants leaves
+    with pytest.raises(HubError, match=r"is incomplete in the cache .*build/torch-cpu/.*fetch it once online"):
         fetch(REPO, 1, trust=[REPO], source=_hub_source(fake, cache, offline=True))
     fake.requests.clear()
     got = fetch(REPO, 1, trust=[REPO], source=_hub_source(fake, cache))
-    assert got.commit == first.commit and got.variant == "torch-universal"
+    assert got.commit == first.commit and got.variant == "torch-cpu"
     asked = {p.split("/resolve/", 1)[1].split("/", 1)[1] for _, p in fake.requests if "/resolve/" in p}
-    assert asked and all(p.startswith("build/torch-universal/") for p in asked)  # only what was missing
+    assert asked and all(p.startswith("build/torch-cpu/") for p in asked)  # only what was missing
 
 
 # --------------------------------------------------------------------------- 4. hostile response headers
@@ -158,7 +158,7 @@ def test_planted_bytecode_never_runs_and_publishing_again_removes_it(tmp_path, m
     hub = LocalHub(tmp_path / "hub")
     spec = build_double(tmp_path / "src", mark=str(tmp_path))
     commit = hub.publish(spec, progress=None)
-    variant = hub.snapshot(REPO, commit) / "build" / "torch-universal"
+    variant = hub.snapshot(REPO, commit) / "build" / "torch-cpu"
     evil = tmp_path / "evil.py"
     evil.write_text(EVIL)
     # unchecked-hash bytecode: Python runs it without looking at the source; the digest ignores bytecode
@@ -201,7 +201,7 @@ def test_a_local_kernels_override_is_refused_before_anything_is_imported(tmp_pat
 def test_metadata_that_no_digest_covers_is_not_trusted(tmp_path, change, message):
     hub = LocalHub(tmp_path / "hub")
     commit = hub.publish(build_double(tmp_path / "src", mark=str(tmp_path)), progress=None)
-    meta_file = hub.snapshot(REPO, commit) / "build" / "torch-universal" / "metadata.json"
+    meta_file = hub.snapshot(REPO, commit) / "build" / "torch-cpu" / "metadata.json"
     meta = json.loads(meta_file.read_text())
     meta_file.write_text(json.dumps({**meta, **change}))  # the file digests still match: only metadata changed
     json_module = sys.modules["json"]
@@ -218,8 +218,8 @@ def test_metadata_that_no_digest_covers_is_not_trusted(tmp_path, change, message
 def test_a_half_written_build_is_refused_and_nothing_is_published(tmp_path):
     hub = LocalHub(tmp_path / "hub")
     spec = build_double(tmp_path / "src")
-    (spec.path / "build" / "torch-universal" / "metadata.json").unlink()  # written last: a build cut short
-    with pytest.raises(VariantError, match=r"torch-universal has no metadata.json .*nothing was published: "
+    (spec.path / "build" / "torch-cpu" / "metadata.json").unlink()  # written last: a build cut short
+    with pytest.raises(VariantError, match=r"torch-cpu has no metadata.json .*nothing was published: "
                                            r"rebuild it: pallas-hub build double-tpu"):
         hub.publish(spec, progress=None)
     assert hub.versions(REPO) == {}
@@ -275,7 +275,7 @@ def _cli(capsys, *argv):
      + '", "version": "1"}]}', r"version '1' is not an integer"),
 ])
 def test_a_malformed_lock_file_gets_a_message(published, tmp_path, capsys, text, message):
-    lock = tmp_path / "kernels.lock"
+    lock = tmp_path / "pallas-hub.lock"
     lock.write_text(text)
     with pytest.raises(LockFileError, match=message + r".*write it again"):
         read_lock(lock)
@@ -288,7 +288,7 @@ def test_cli_usage_mistakes_get_a_message_and_a_remedy(published, capsys):
     assert code == 2 and "fetch needs --version N" in err
     code, err = _cli(capsys, "fetch", "ragged_dot", "--version", "1", "--trust", "ragged_dot")
     assert code == 2 and "'ragged_dot' is the manifest's kernel ragged_dot: fetch it as pallas-hub/ragged-dot-tpu" in err
-    code, err = _cli(capsys, "fetch", "--lock", "/nonexistent/kernels.lock", "--trust", REPO)
+    code, err = _cli(capsys, "fetch", "--lock", "/nonexistent/pallas-hub.lock", "--trust", REPO)
     assert code == 1 and "no such lock file" in err
     with pytest.raises(cli.UsageError):  # --debug: the traceback, for whoever needs it
         cli.main(["fetch", "a--b/c", "--version", "1", "--debug"])
@@ -308,12 +308,12 @@ def test_a_kernel_whose_import_raises_gets_a_message(tmp_path, capsys):
 def test_publish_to_the_hub_without_a_token_or_a_network_gets_a_message(tmp_path, monkeypatch, capsys):
     import socket
 
-    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("HF_TOKEN", "hf_revoked")  # (no token at all: tests/test_cli.py)
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no token file either
     monkeypatch.setattr("huggingface_hub.constants.HF_TOKEN_PATH", str(tmp_path / "hf-home" / "token"))
     spec = manifest.load_kernel(make_kernel(tmp_path / "src"))
     with FakeHub() as fake:
-        fake.require_token = True
+        fake.require_token = "hf_valid"
         code, err = _cli(capsys, "publish", "--path", str(spec.path), "--endpoint", fake.url)
         assert code == 1 and "refused the request (401: not logged in" in err and "hf auth login" in err
     with socket.socket() as s:  # a port on loopback with nothing listening

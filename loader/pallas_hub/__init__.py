@@ -9,7 +9,7 @@ package shares: the bridge, chip figures, attention math). ``cli.py`` and ``demo
 digest check, lock file) and registers them into transformers; see ``pallas_hub.hub.session.load``.
 """
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: F401
 
 
 def load(*args, **kwargs):

@@ -2,11 +2,13 @@
 
 build every kernel of the manifest, publish it to the local hub, fetch it back with
 ``kernels.get_kernel(repo, version=N)`` (trust list, digest check), register what each kernel
-declares, then run a tiny MoE model built from a config (random weights) with our experts and
-attention functions against transformers' defaults, continuous batching with our paged attention
-against per-prompt ``generate``, and the TPU compile matrix. Exit status 1 if anything disagrees.
+declares, run each kernel's own check (``kernels/<key>/demo_check.py``) on what was fetched, then a
+tiny MoE model built from a config (random weights) with the experts and attention functions the
+kernels registered against transformers' defaults, continuous batching with the registered paged
+attention against per-prompt ``generate``, and the TPU compile matrix. Exit status 1 if anything disagrees.
 
-The demo needs a kernel per role; a role no landed kernel provides is reported as MISSING.
+No kernel is named here: every manifest kernel is built, fetched and checked by its own declaration,
+and the transformers checks use whatever the kernels registered (a registry nobody fills is MISSING).
 """
 
 from __future__ import annotations
@@ -162,8 +164,19 @@ def check_continuous_batching(paged: str, experts: str | None, out=print) -> lis
     return checks
 
 
-def run(root: Path = mf.ROOT, local_hub: Path | None = None, compile_matrix: bool = True, out=print) -> int:
+ROLES = {  # transformers' registries the demo exercises, and what fills each
+    "experts": "an experts function (registry 'experts', experts_implementation)",
+    "attention": "an attention function (registry 'attention', attn_implementation)",
+    "paged_attention": "a continuous-batching attention (registry 'paged_attention', generate_batch)",
+}
+
+
+def run(root: Path | None = None, local_hub: Path | None = None, compile_matrix: bool = True, out=print,
+        timeout: float | None = None) -> int:
+    """The demo on the manifest at ``root`` (default: found from the current folder upward); ``timeout``: per
+    compile-matrix configuration (None: compile in this process, no timeout)."""
     from .hub.build import build_kernel
+    from .hub.declarations import declaration
     from .hub.publish import LocalHub
     from .hub.register import Registration
     from .hub.session import load
@@ -172,7 +185,7 @@ def run(root: Path = mf.ROOT, local_hub: Path | None = None, compile_matrix: boo
     specs = list(manifest.kernels.values())
     hub = LocalHub(local_hub)
     checks: list[tuple[str, bool]] = []
-    out(f"== pallas-hub demo: {len(specs)} kernel(s) in {root / 'build.toml'}: "
+    out(f"== pallas-hub demo: {len(specs)} kernel(s) in {manifest.file}: "
         + (", ".join(f"{s.key} ({s.repo_id} v{s.version})" for s in specs) or "none"))
 
     def attempt(name: str, fn):
@@ -190,6 +203,7 @@ def run(root: Path = mf.ROOT, local_hub: Path | None = None, compile_matrix: boo
 
     out("\n== 2. fetch with kernels.get_kernel(repo, version=N), trusted explicitly, digests verified")
     registration = Registration()
+    fetched = {}
     try:
         for spec in published:
             got = attempt(f"fetch and register {spec.key}", lambda s=spec: _timed(
@@ -200,16 +214,24 @@ def run(root: Path = mf.ROOT, local_hub: Path | None = None, compile_matrix: boo
             for line in loaded.report():
                 out("  " + line)
             out(f"  ({t:.1f} s)")
+            fetched[spec.key] = (spec, loaded[spec.repo_id])
             registration.extend(loaded.registration)  # undone together at the end
-        roles = {r: registration.names(r) for r in ("experts", "attention", "paged_attention")}
-        wanted = {"experts": "an experts function (kernels/ragged_dot: 'tokamax_ragged_dot')",
-                  "attention": "an attention function (kernels/flash_attention)",
-                  "paged_attention": "a continuous-batching attention (kernels/paged_attention)"}
+
+        out("\n== 3. each kernel's own check (kernels/<key>/demo_check.py) on the kernel fetched from the local hub")
+        def kernel_check(spec, module):
+            declared = declaration(spec, "demo_check")
+            if declared is None:
+                raise mf.ManifestError(f"declares no demo check: add {spec.path / 'demo_check.py'} (see pallas-hub new)")
+            return list(declared.check(module, out=out))
+
+        for spec, module in fetched.values():
+            checks += attempt(f"{spec.key} demo check", lambda s=spec, m=module: kernel_check(s, m)) or []
+
+        roles = {r: registration.names(r) for r in ROLES}
+        out("\n== 4. transformers with the registered kernels vs its defaults")
         for role, names in roles.items():
             if not names:
-                out(f"  MISSING: no kernel in the manifest provides {wanted[role]}; not landed yet")
-
-        out("\n== 3. transformers with our kernels vs its defaults")
+                out(f"  MISSING: no kernel in the manifest provides {ROLES[role]}")
         first = {r: (n[0] if n else None) for r, n in roles.items()}
         experts, attention, paged = first["experts"], first["attention"], first["paged_attention"]
         if experts or attention:
@@ -231,9 +253,9 @@ def run(root: Path = mf.ROOT, local_hub: Path | None = None, compile_matrix: boo
     if compile_matrix:
         from .verify.matrix import check, report
 
-        out("\n== 4. TPU compile matrix (libtpu compile-only topologies, no TPU needed)")
+        out("\n== 5. TPU compile matrix (libtpu compile-only topologies, no TPU needed)")
         if specs:
-            status = attempt("compile matrix", lambda: report(check(specs)))
+            status = attempt("compile matrix", lambda: report(check(specs, progress=out, timeout=timeout), progress=out))
             if status is not None:
                 checks.append(("compile matrix as declared", status == 0))
         else:

@@ -52,9 +52,9 @@ def test_the_generation_is_none_for_an_unknown_chip_without_asking_jax(no_jax_ru
     assert _chips.tpu_generation(types.SimpleNamespace(device_kind="TPU v6 lite")) == "v6e"  # an explicit device
 
 
-def test_variants_kernels_alone_picks_universal_the_loader_picks_tpu(tmp_path):
+def test_variants_kernels_alone_picks_cpu_the_loader_picks_tpu(tmp_path):
     """torch_tpu 0.2.0 never sets torch.backends.tpu, which is what `kernels` checks: plain
-    get_kernel resolves torch-universal (the same code), the loader resolves torch-tpu."""
+    get_kernel resolves torch-cpu (the same code, which registers the `tpu` kernels too), the loader resolves torch-tpu."""
     import kernels
     from pallas_hub.hub import fetch as fetch_mod, manifest
     from pallas_hub.hub.build import build_kernel
@@ -72,7 +72,8 @@ def test_variants_kernels_alone_picks_universal_the_loader_picks_tpu(tmp_path):
 
     with fetch_mod._hub_settings(hub.root, tpu=False):  # kernels alone, offline against the local hub
         plain = kernels.get_kernel(repo, version=1, trust_remote_code=[repo])
-    assert "/build/torch-universal/" in plain.__file__
+    assert "/build/torch-cpu/" in plain.__file__
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(plain.scale_add._qualname, "PrivateUse1")  # runs on `tpu`
 
     got = fetch_mod.fetch(repo, 1, trust=[repo], source=hub)
     assert got.variant == "torch-tpu" and "/build/torch-tpu/" in got.module.__file__

@@ -237,7 +237,7 @@ if __name__ == "__main__":
     from pallas_hub.hub.build import build_kernel
 
     out = build_kernel(manifest.load_kernel(root / "kernels" / "ragged_dot"), Path(tempfile.mkdtemp()))
-    sys.path.insert(0, str(out / "torch-universal"))
+    sys.path.insert(0, str(out / "torch-cpu"))
     tokens = tuple(int(x) for x in sys.argv[1].split(",")) if len(sys.argv) > 1 else TOKENS
     rows = table(tokens, search="--no-search" not in sys.argv)
     from tabulate import tabulate

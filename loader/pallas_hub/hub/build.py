@@ -1,14 +1,18 @@
 """Build a kernel into Hub variants, as kernel-builder does for noarch kernels.
 
-``kernels/<key>/torch-ext/<pkg>/**`` becomes ``build/torch-tpu/`` (what TorchTPU hosts resolve) and
-``build/torch-universal/`` (the same code, so any host resolves it). Each variant holds the package
-flat (``__init__.py`` at the top) plus the ``<pkg>/`` compatibility copy, the shared modules
+``kernels/<key>/torch-ext/<pkg>/**`` becomes one variant per backend of the kernel's build.toml:
+``build/torch-tpu/`` (what TorchTPU hosts resolve) and ``build/torch-cpu/`` (CPU hosts: the same code,
+run in Pallas interpret mode). There is deliberately no ``torch-universal``: kernels accepts that name on
+every backend, so CUDA, ROCm, XPU and Metal hosts would pick it and fail inside the first op; with
+only tpu and cpu variants they are told at load time that no build fits them. Each variant holds the
+package flat (``__init__.py`` at the top) plus the ``<pkg>/`` compatibility copy, the shared modules
 vendored from their single source ``pallas_hub/vendored/`` (``_bridge.py`` always, ``_chips.py`` and
 ``_attention_math.py`` where the package imports them), a generated ``_ops.py`` whose op namespace
-is unique per build, and the ``metadata.json`` that ``kernels`` reads.
-Builds are deterministic: same sources, same bytes. A build folder is written and read under a
-lock on it (several processes may build and publish one kernel at once), ``metadata.json`` last, and
-``verify_variant`` (what publish and fetch both check) refuses a variant that is incomplete or changed.
+is unique per build, and the ``metadata.json`` that ``kernels`` reads, with the source repository and
+the git commit the kernel was built from (``source``, ``provenance``).
+Builds are deterministic: same sources at the same commit, same bytes. A build folder is written and
+read under a lock on it (several processes may build and publish one kernel at once), ``metadata.json``
+last, and ``verify_variant`` (what publish and fetch both check) refuses a variant that is incomplete or changed.
 """
 
 from __future__ import annotations
@@ -21,17 +25,16 @@ import json
 import os
 import re
 import shutil
+import subprocess
 from pathlib import Path
 
+from .._version import __version__
 from .manifest import KernelSpec, ManifestError
 
 VENDORED = Path(__file__).resolve().parents[1] / "vendored"  # the single source of shared modules
 ALWAYS_VENDORED = ("_bridge",)  # the op contract; kernel benchmarks also import it by name
 # `from ._x import ...`, `from . import _x, _y as z`: the shared modules a package imports
 _RELATIVE_IMPORT = re.compile(r"^\s*from\s+\.(\w*)\s+import\s+([^#\n]+)", re.MULTILINE)
-# variant -> metadata backend type. `kernels` has no "universal" backend type; kernel-builder's
-# universal builds use "cpu" there (the variant name, not the type, makes it resolvable anywhere).
-VARIANTS = {"torch-tpu": "tpu", "torch-universal": "cpu"}
 _SKIP = {"__pycache__", ".pytest_cache"}
 # metadata.json's id becomes a sys.modules key: it must be this build's op namespace (see verify_variant)
 _BUILD_ID = re.compile(r"_[a-z][a-z0-9_]*_[0-9a-f]{10}")
@@ -99,9 +102,51 @@ def source_digest(spec: KernelSpec, files: dict[str, bytes]) -> str:
     return h.hexdigest()
 
 
+def _git(folder: Path, *args: str) -> str | None:
+    try:
+        done = subprocess.run(["git", "-C", str(folder), *args], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def provenance(spec: KernelSpec) -> tuple[str | None, dict | None]:
+    """(source repository URL, git state of the kernel's sources) for metadata.json.
+
+    The commit is the last one that changed the kernel's folder or the vendored modules (so a build
+    changes only when its sources do), ``dirty`` whether either has uncommitted changes. The URL is
+    the manifest's ``[hub] source``, else the checkout's ``origin`` remote. (None, None) outside git.
+    """
+    top = _git(spec.path, "rev-parse", "--show-toplevel")
+    if top is None:
+        return spec.source_repo, None
+    paths = [str(p) for p in (spec.path, VENDORED) if p.resolve().is_relative_to(Path(top).resolve())]
+    commit = _git(spec.path, "log", "-1", "--format=%H", "--", *paths)
+    dirty = _git(spec.path, "status", "--porcelain", "--untracked-files=all", "--", *paths)
+    source = spec.source_repo or _git(spec.path, "remote", "get-url", "origin") or None
+    if source and not re.match(r"^[a-z][a-z0-9+.-]*://", source):  # scp-like git@host:org/repo
+        source = None if "@" not in source else "ssh://" + source.replace(":", "/", 1)
+    return source, ({"commit": commit, "dirty": bool(dirty)} if commit else None)
+
+
+def source_location(spec: KernelSpec) -> str | None:
+    """Where the kernel's code lives, for its published card: the repository URL, the kernel's folder
+    in it and the commit (None without a source URL)."""
+    source, git = provenance(spec)
+    if not source:
+        return None
+    folder = (_git(spec.path, "rev-parse", "--show-prefix") or "").rstrip("/")
+    where = f"{source}" + (f", folder `{folder}`" if folder else "")
+    if git:
+        where += f", commit `{git['commit']}`" + (" with uncommitted changes" if git["dirty"] else "")
+    return where
+
+
 def variant_files(spec: KernelSpec, variant: str) -> dict[str, bytes]:
     """Every file of one variant folder, by relative path (metadata.json included)."""
-    backend = VARIANTS[variant]
+    if variant not in spec.variants:
+        raise ValueError(f"{spec.name} has no variant {variant!r}; its build.toml backends give {sorted(spec.variants)}")
+    backend = spec.variants[variant]
     package = package_files(spec)
     build_id = f"_{spec.package}_{backend}_{source_digest(spec, package)[:10]}"
     package["_ops.py"] = OPS_TEMPLATE.format(namespace=build_id).encode()
@@ -125,6 +170,10 @@ def variant_files(spec: KernelSpec, variant: str) -> dict[str, bytes]:
     }
     if spec.upstream:
         metadata["upstream"] = spec.upstream
+    source, git = provenance(spec)
+    if source:
+        metadata["source"] = source
+    metadata["provenance"] = {"kernel-builder": {"version": f"pallas-hub {__version__}"}, **({"kernel": git} if git else {})}
     raw = (json.dumps(metadata, indent=2, sort_keys=True) + "\n").encode()
     from kernels._rust import Metadata
 
@@ -151,11 +200,14 @@ def locked(path: Path):
 
 
 def build_kernel(spec: KernelSpec, out: Path | None = None) -> Path:
-    """Write ``out`` (default ``kernels/<key>/build``) with every variant; returns it."""
+    """Write ``out`` (default ``kernels/<key>/build``) with every variant, and nothing else; returns it."""
     out = Path(out) if out is not None else spec.path / "build"
-    variants = {variant: variant_files(spec, variant) for variant in VARIANTS}  # everything read before writing
+    variants = {variant: variant_files(spec, variant) for variant in spec.variants}  # everything read before writing
     out.mkdir(parents=True, exist_ok=True)
     with locked(out):
+        for stale in out.iterdir():  # a variant the kernel no longer builds (e.g. torch-universal) is never published
+            if stale.is_dir() and not stale.name.startswith(".") and stale.name not in variants:
+                shutil.rmtree(stale)
         for variant, files in variants.items():
             target = out / variant
             if target.exists():
@@ -205,7 +257,7 @@ def verify_variant(variant: Path) -> bytes:
     return raw
 
 
-def load_built(build_dir: Path, variant: str = "torch-universal"):
+def load_built(build_dir: Path, variant: str = "torch-cpu"):
     """Import a built variant through ``kernels.get_local_kernel`` (the real loading code)."""
     from kernels import get_local_kernel
 

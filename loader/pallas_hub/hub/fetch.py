@@ -16,7 +16,8 @@ Order of a fetch (nothing is imported before it is verified):
 5. ``kernels.get_kernel(repo, version=N | revision=commit, trust_remote_code=[repo])`` resolves the
    variant and imports it, offline, from that verified cache, with bytecode removed first and none
    written, and never from a ``LOCAL_KERNELS`` override. On a TorchTPU host (torch_tpu 0.2.0 does
-   not set ``torch.backends.tpu``) the loader sets it for the call so the ``torch-tpu`` variant wins.
+   not set ``torch.backends.tpu``) the loader sets it for the call so the ``torch-tpu`` variant wins;
+   a CPU host gets ``torch-cpu``; any other host (CUDA, ROCm, XPU, Metal) gets ``NoVariant``, which says so.
 """
 
 from __future__ import annotations
@@ -428,15 +429,25 @@ def remove_bytecode(folder: Path) -> None:
 
 # --------------------------------------------------------------------------- lock files
 
+# pallas-hub's lock file: its own name, since `kernels.lock` is the kernels library's (written by `kernels lock`,
+# read by `kernels download` and kernels.load_kernel, in a format that pins commits but no digests).
+LOCK_FILE = "pallas-hub.lock"
+KERNELS_LOCK_FILE = "kernels.lock"
+
+
 def read_lock(path: Path | str) -> dict[str, dict]:
     """{repo_id: {"repo_id", "version", "commit", "digest"}} from a pallas-hub lock file, checked strictly."""
-    remedy = "write it again from a fetch you trust: pallas-hub fetch REPO --version N --trust REPO --write-lock FILE"
+    remedy = (f"write it again from a fetch you trust: pallas-hub fetch REPO --version N --trust REPO --write-lock "
+              f"{LOCK_FILE}")
     try:
         data = json.loads(Path(path).read_bytes())
     except FileNotFoundError:
         raise LockFileError(f"{path}: no such lock file; {remedy}") from None
     except (ValueError, OSError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise LockFileError(f"{path}: not a pallas-hub lock file ({type(e).__name__}: {e}); {remedy}") from None
+    if isinstance(data, list):  # kernels' KernelLocks: [{"dependency": ..., "lock": {"commit": ...}}]
+        raise LockFileError(f"{path} is a kernels library lock file (`kernels lock`; it pins commits, no digests), "
+                            f"not pallas-hub's {LOCK_FILE}; use it with `kernels download`, and {remedy}")
     if not isinstance(data, dict) or not isinstance(data.get("kernels"), list):
         raise LockFileError(f"{path}: not a pallas-hub lock file (expected {{\"kernels\": [...]}}); {remedy}")
     out = {}
@@ -460,7 +471,15 @@ def read_lock(path: Path | str) -> dict[str, dict]:
     return out
 
 
+def check_lock_target(path: Path | str) -> None:
+    """Refuse to write pallas-hub's lock where the kernels library's lock file belongs (before anything is fetched)."""
+    if Path(path).name == KERNELS_LOCK_FILE:
+        raise LockFileError(f"{path}: {KERNELS_LOCK_FILE} is the kernels library's lock file (`kernels download` reads it "
+                            f"in its own format); write pallas-hub's lock file as {LOCK_FILE}")
+
+
 def write_lock(path: Path | str, fetched: list[Fetched]) -> None:
+    check_lock_target(path)
     entries = sorted((f.lock_entry() for f in fetched), key=lambda e: e["repo_id"])
     Path(path).write_text(json.dumps({"pallas-hub-lock": 1, "kernels": entries}, indent=2) + "\n")
 
@@ -511,6 +530,21 @@ def _hub_settings(cache_dir: Path, tpu: bool):
                 os.environ[k] = v
         if tpu and not had_tpu:
             del torch.backends.tpu
+
+
+def host_backend() -> str:
+    """The backend kernels resolves variants for on this host ("cpu", "cuda", "rocm", "metal", "xpu", "tpu", ...)."""
+    from kernels.backends import _backend
+
+    return _backend().name
+
+
+def no_variant_message(what: str, have: list[str], backend: str) -> str:
+    """Why a kernel has no build for this host, and what to do (a Pallas kernel runs on TPU or CPU only)."""
+    return (f"{what} has no build for this host's backend ({backend}); it publishes {', '.join(have) or 'none'}. "
+            "Pallas TPU kernels run on TorchTPU (torch-tpu) or on CPU in Pallas interpret mode (torch-cpu, slow, "
+            "exact); there is no build for CUDA, ROCm, XPU or Metal (MPS) hosts. Use a TPU VM with TorchTPU, or load the "
+            "CPU build explicitly (kernels: get_kernel(..., backend=\"cpu\")) and pass CPU tensors.")
 
 
 def _local_override(repo_id: str) -> str | None:
@@ -591,10 +625,8 @@ def fetch(repo_id: str, version: int | None = None, *, trust: list[str] | tuple[
             except FileNotFoundError as e:
                 if "Cannot find a build variant" not in str(e):
                     raise KernelImportError(f"{what}: kernels could not load the verified snapshot ({e})") from e
-                have = ", ".join(sorted(p.name for p in (snapshot / "build").iterdir() if p.is_dir()))
-                host = "TorchTPU (tpu)" if tpu else "this host (no TorchTPU: cpu)"
-                raise NoVariant(f"{what}: no build variant fits {host}; the variants available are: {have}. "
-                                "Pallas kernels need torch-tpu (TorchTPU hosts) or torch-universal (any host).") from None
+                have = sorted(p.name for p in (snapshot / "build").iterdir() if p.is_dir())
+                raise NoVariant(no_variant_message(what, have, "tpu" if tpu else host_backend())) from None
             except Exception as e:
                 raise KernelImportError(
                     f"{what}: importing the kernel raised {type(e).__name__}: {e}. Its files are the verified ones, so the "

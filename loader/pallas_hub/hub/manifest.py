@@ -10,8 +10,14 @@ import re
 import tomllib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[3]  # the repository (loader/pallas_hub/hub/ -> ../../..)
+# The checkout this package was loaded from, when it was (an editable install; loader/pallas_hub/hub/ -> ../../..).
+# Commands find the checkout they run in with find_root() instead: a manifest, from the current folder upward.
+ROOT = Path(__file__).resolve().parents[3]
+MANIFEST = "build.toml"  # the hub manifest at a checkout's root (a build.toml with a [hub] table)
 BACKENDS = ("cann", "cpu", "cuda", "metal", "neuron", "rocm", "tpu", "xpu")  # kernel-builder's enum
+# What a Pallas TPU kernel can be built for: TorchTPU, and CPU through Pallas' interpret mode. Each backend
+# becomes one noarch variant ``torch-<backend>`` whose metadata has that backend type, as kernel-builder's are.
+PALLAS_BACKENDS = ("tpu", "cpu")
 NAME_RE = re.compile(r"^[a-z][-a-z0-9]*[a-z0-9]$")  # what `kernels` accepts as a kernel name
 REPO_RE = re.compile(r"^[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*$")
 KEY_RE = re.compile(r"^[a-z][a-z0-9_]*$")  # a manifest key is a folder name (kernels/<key>, build folders)
@@ -50,6 +56,12 @@ class KernelSpec:
     backends: tuple[str, ...]
     repo_id: str
     upstream: str | None = None
+    source_repo: str | None = None  # where the code lives (the manifest's [hub] source), for metadata.json
+
+    @property
+    def variants(self) -> dict[str, str]:
+        """The build variants, ``{"torch-tpu": "tpu", "torch-cpu": "cpu"}``: one per backend of build.toml."""
+        return {f"torch-{b}": b for b in PALLAS_BACKENDS if b in self.backends}
 
     @property
     def package(self) -> str:
@@ -82,7 +94,7 @@ def _field(table: dict, key: str, kind: type, where: str):
     return value
 
 
-def load_kernel(path: Path, key: str | None = None) -> KernelSpec:
+def load_kernel(path: Path, key: str | None = None, source_repo: str | None = None) -> KernelSpec:
     """Read and validate ``path/build.toml`` (kernel-builder edition 5, noarch TPU kernel)."""
     path = Path(path)
     file = path / "build.toml"
@@ -107,6 +119,9 @@ def load_kernel(path: Path, key: str | None = None) -> KernelSpec:
         raise ManifestError(f"{where}: unknown backend(s) {unknown or backends}; known: {', '.join(BACKENDS)}")
     if "tpu" not in backends:
         raise ManifestError(f"{where}: backends must include 'tpu' (these are Pallas TPU kernels)")
+    if other := [b for b in backends if b not in PALLAS_BACKENDS]:
+        raise ManifestError(f"{where}: backends {other} cannot run a Pallas TPU kernel; use 'tpu' (TorchTPU) and "
+                            "'cpu' (Pallas interpret mode, what CPU hosts and the tests load)")
     hub = general.get("hub")
     if not isinstance(hub, dict):
         raise ManifestError(f"{file}: missing table [general.hub] with repo-id")
@@ -118,7 +133,7 @@ def load_kernel(path: Path, key: str | None = None) -> KernelSpec:
         raise ManifestError(f"{where}: 'upstream' must be a string (the upstream git URL), got {upstream!r}")
     if "torch-noarch" not in data:
         raise ManifestError(f"{file}: missing table [torch-noarch] (TPU kernels are noarch builds)")
-    spec = KernelSpec(key or path.name, path, name, version, license_, tuple(backends), repo_id, upstream)
+    spec = KernelSpec(key or path.name, path, name, version, license_, tuple(backends), repo_id, upstream, source_repo)
     if not spec.source.is_dir():
         raise ManifestError(f"{file}: expected the package at {spec.source.relative_to(path)}")
     return spec
@@ -128,6 +143,12 @@ def load_kernel(path: Path, key: str | None = None) -> KernelSpec:
 class Manifest:
     namespace: str
     kernels: dict[str, KernelSpec]
+    root: Path = ROOT  # the checkout: the folder holding the manifest
+    source: str | None = None  # [hub] source: the URL of the source repository
+
+    @property
+    def file(self) -> Path:
+        return self.root / MANIFEST
 
     def select(self, keys: list[str] | None) -> list[KernelSpec]:
         if not keys:
@@ -139,14 +160,43 @@ class Manifest:
         return [by_any[k] for k in keys]
 
 
-def load_manifest(root: Path = ROOT) -> Manifest:
-    """The root build.toml: ``[hub] namespace`` and ``[kernels.<key>] path`` for every kernel."""
-    file = Path(root) / "build.toml"
+def _is_manifest(file: Path) -> bool:
+    try:
+        return isinstance(_load(file).get("hub"), dict)
+    except ManifestError:
+        return False
+
+
+def find_root(start: Path | str | None = None) -> Path:
+    """The checkout around ``start`` (default: the current folder): the nearest folder, ``start`` or
+    above, holding a ``build.toml`` with a ``[hub]`` table (a kernel's own build.toml has none)."""
+    start = Path(start if start is not None else Path.cwd()).resolve()
+    for folder in (start, *start.parents):
+        if _is_manifest(folder / MANIFEST):
+            return folder
+    raise ManifestError(f"no hub manifest ({MANIFEST} with a [hub] table) in {start} or any folder above it; run "
+                        "pallas-hub inside a kernel hub checkout, or pass --manifest PATH/build.toml")
+
+
+def load_manifest(root: Path | str | None = None) -> Manifest:
+    """The hub manifest: ``[hub] namespace`` (and optional ``source``, the repository URL) and
+    ``[kernels.<key>] path`` for every kernel. ``root``: the checkout (a folder) or the manifest file
+    itself; default: found from the current folder upward (``find_root``)."""
+    root = Path(root) if root is not None else find_root()
+    if root.is_file() or root.suffix == ".toml":
+        root = root.parent
+    root = root.resolve()
+    file = root / MANIFEST
     data = _load(file)
     hub = data.get("hub")
     if not isinstance(hub, dict):
-        raise ManifestError(f"{file}: missing table [hub] with namespace")
+        raise ManifestError(f"{file}: missing table [hub] with namespace (is this a kernel's build.toml? the hub "
+                            "manifest is the build.toml at the checkout's root)")
     namespace = _field(hub, "namespace", str, f"{file} [hub]")
+    source = hub.get("source")
+    if source is not None and not (isinstance(source, str) and re.match(r"^[a-z][a-z0-9+.-]*://\S+$", source)):
+        raise ManifestError(f"{file} [hub]: source must be the URL of the source repository (e.g. "
+                            f"\"https://github.com/org/repo\"), got {source!r}")
     tables = data.get("kernels", {})
     if not isinstance(tables, dict):
         raise ManifestError(f"{file}: [kernels] must be a table of [kernels.<key>] tables")
@@ -159,11 +209,11 @@ def load_manifest(root: Path = ROOT) -> Manifest:
         if not isinstance(table, dict):
             raise ManifestError(f"{where}: must be a table with path = \"kernels/{key}\"")
         rel = _field(table, "path", str, where)
-        folder = (Path(root) / rel).resolve()
-        if Path(rel).is_absolute() or not folder.is_relative_to(Path(root).resolve()):
-            raise ManifestError(f"{where}: path {rel!r} must be a folder inside {Path(root).resolve()}")
-        spec = load_kernel(Path(root) / rel, key)
+        folder = (root / rel).resolve()
+        if Path(rel).is_absolute() or not folder.is_relative_to(root):
+            raise ManifestError(f"{where}: path {rel!r} must be a folder inside {root}")
+        spec = load_kernel(root / rel, key, source)
         if not spec.repo_id.startswith(namespace + "/"):
             raise ManifestError(f"{spec.path / 'build.toml'}: repo-id {spec.repo_id!r} is outside namespace {namespace!r}")
         kernels[key] = spec
-    return Manifest(namespace, kernels)
+    return Manifest(namespace, kernels, root, source)

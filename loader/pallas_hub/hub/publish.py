@@ -2,7 +2,7 @@
 
 Both hold the same repository layout, the one `kernels` resolves (and kernel-builder uploads):
 branch ``v<version>`` has ``build/<variant>/**`` and ``benchmarks/benchmark*.py``; ``main`` has the
-card (``CARD.md``) as ``README.md``.
+card (``CARD.md``) as ``README.md``, with the files it links and a line naming the source repository.
 
 The local hub is a Hugging Face cache folder (``kernels--<org>--<name>/refs/v<N>`` holding a commit
 id, ``snapshots/<commit>/...`` holding the files), so ``kernels.get_kernel(repo, version=N)``
@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
 
 from .build import VariantError, locked, verify_variant
-from .manifest import KernelSpec
+from .manifest import KernelSpec, ManifestError
 
 # PALLAS_HUB_LOCAL overrides where the local hub lives.
 DEFAULT_LOCAL_HUB = Path(os.environ.get("PALLAS_HUB_LOCAL") or Path.home() / ".cache" / "pallas-hub" / "hub")
@@ -66,9 +67,34 @@ def version_files(spec: KernelSpec, build_dir: Path | None = None) -> dict[str, 
     return files
 
 
+# a Markdown link or image, [text](target "title"): what a card cites, published beside it
+_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+
+
 def main_files(spec: KernelSpec) -> dict[str, bytes]:
+    """What branch ``main`` holds: the card (CARD.md) as README.md, with a line saying where the code lives
+    when the source repository is known, and every file of the kernel folder that the card links (figures,
+    tables), at the same relative path, so that nothing the card cites is missing on the Hub."""
+    from .build import source_location
+
     card = spec.path / "CARD.md"
-    return {"README.md": card.read_bytes()} if card.is_file() else {}
+    if not card.is_file():
+        return {}
+    text = card.read_text()
+    files = {}
+    for target in _LINK.findall(text):
+        if re.match(r"^([a-z][a-z0-9+.-]*:|#|/)", target):  # a URL, an anchor, an absolute path
+            continue
+        rel = target.split("#", 1)[0]
+        path = (spec.path / rel).resolve()
+        if not path.is_relative_to(spec.path.resolve()) or not path.is_file():
+            raise ManifestError(f"{card} links {target!r}, which is not a file of {spec.path}; a card is published with "
+                                "the files it links, so they must be in the kernel's folder")
+        files[path.relative_to(spec.path.resolve()).as_posix()] = path.read_bytes()
+    where = source_location(spec)
+    footer = f"\n---\n\nSource: {where}. Published with pallas-hub.\n" if where else ""
+    files["README.md"] = (text.rstrip("\n") + "\n" + footer).encode() if footer else card.read_bytes()
+    return files
 
 
 def redirected(repo: Path, commit: str) -> list[Path]:
@@ -195,22 +221,33 @@ class LocalHub:
 
 
 def publish_hub(spec: KernelSpec, build_dir: Path | None = None, *, repo_id: str | None = None, api=None,
-                private: bool | None = None, progress=print) -> str:
-    """Upload to a Hub repository of type "kernel" as kernel-builder does; returns the branch's commit.
+                private: bool | None = None, create_pr: bool = False, progress=print) -> str:
+    """Upload to a Hub repository of type "kernel" as kernel-builder does; returns the branch's commit
+    (with ``create_pr``: the pull request's URL).
 
     Creates the repository and branch ``v<version>`` when missing, commits only files whose bytes
     differ from the branch (git blob ids compared) and deletes stale files under build/ and
     benchmarks/, so publishing an unchanged build makes no commit. CARD.md goes to main as README.md.
-    A refused or failed request (no token, no network) raises a ``HubError`` that says what to do.
+    ``create_pr``: open pull requests against ``v<version>`` (and ``main`` for the card) instead of
+    committing, as a contributor without write access does; the repository and branch must exist.
+    Nothing is sent before the build verifies and a token is found. A refused or failed request (no
+    network, a token without the rights) raises a ``HubError`` that says what to do.
     """
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi, get_token
 
-    from .fetch import as_hub_error
+    from .fetch import HubError, as_hub_error
 
     api = api or HfApi()
     files = version_files(spec, build_dir)  # a build that does not verify is refused before any request
+    if not (api.token or get_token()):
+        raise HubError(f"no Hugging Face token, so nothing was sent to {api.endpoint}: log in with `hf auth login` or "
+                       "set HF_TOKEN to a token with write access (or, with --create-pr, a token that may open pull "
+                       "requests); or publish to the local hub (pallas-hub publish without --hub)")
+    say = progress or (lambda *_: None)
+    for warning in _provenance_warnings(spec, files):
+        say(f"warning: {warning}")
     try:
-        return _upload(spec, files, api, repo_id or spec.repo_id, private, progress or (lambda *_: None))
+        return _upload(spec, files, api, repo_id or spec.repo_id, private, create_pr, say)
     except Exception as e:
         err = as_hub_error(e, api.endpoint, "Publish to the local hub instead (pallas-hub publish without --hub), "
                                             "or retry when the Hub is reachable.")
@@ -219,15 +256,49 @@ def publish_hub(spec: KernelSpec, build_dir: Path | None = None, *, repo_id: str
         raise err from e
 
 
-def _upload(spec: KernelSpec, files: dict[str, bytes], api, repo_id: str, private: bool | None, say) -> str:
+def _provenance_warnings(spec: KernelSpec, files: dict[str, bytes]) -> list[str]:
+    """What a Hub copy would not say about where its code comes from (read from the verified build)."""
+    import json
+
+    meta = json.loads(next(data for rel, data in sorted(files.items()) if rel.endswith("/metadata.json")))
+    git = meta.get("provenance", {}).get("kernel")
+    out = []
+    if not meta.get("source"):
+        out.append(f"{spec.name}: metadata.json names no source repository, so nothing on the Hub leads back to the "
+                   "code; set [hub] source = \"https://...\" in the hub manifest (or a git remote 'origin')")
+    if git is None:
+        out.append(f"{spec.name}: built outside git or from files never committed: metadata.json records no commit")
+    elif git.get("dirty"):
+        out.append(f"{spec.name}: built from uncommitted changes (metadata.json records commit {git['commit'][:12]}, "
+                   "dirty); commit them and rebuild to publish a build that its commit reproduces")
+    return out
+
+
+def _upload(spec: KernelSpec, files: dict[str, bytes], api, repo_id: str, private: bool | None, create_pr: bool,
+            say) -> str:
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+    from huggingface_hub.errors import RepositoryNotFoundError
     from huggingface_hub.hf_api import RepoFile
     from huggingface_hub.utils.sha import git_hash
 
-    say(f"{repo_id}: creating the kernel repository if missing ({api.endpoint})")
-    api.create_repo(repo_id, repo_type=REPO_TYPE, exist_ok=True, private=private)
+    from .fetch import HubError
 
-    def sync(branch: str, files: dict[str, bytes], managed) -> str | None:
+    branch = f"v{spec.version}"
+    if create_pr:  # creating a repository or a branch needs write access, which a pull request does not
+        try:
+            branches = {b.name for b in api.list_repo_refs(repo_id, repo_type=REPO_TYPE).branches}
+        except RepositoryNotFoundError:
+            raise HubError(f"{repo_id} does not exist at {api.endpoint}; a pull request needs the repository and its "
+                           f"branch {branch}: ask its maintainers to create them, or publish without --create-pr") from None
+        if branch not in branches:
+            raise HubError(f"{repo_id} has no branch {branch}, and a pull request cannot create one; ask its maintainers "
+                           f"to create it (its branches: {', '.join(sorted(branches))})")
+    else:
+        say(f"{repo_id}: creating the kernel repository if missing ({api.endpoint})")
+        api.create_repo(repo_id, repo_type=REPO_TYPE, exist_ok=True, private=private)
+        api.create_branch(repo_id, branch=branch, repo_type=REPO_TYPE, exist_ok=True)
+
+    def sync(branch: str, files: dict[str, bytes], managed):
         remote = {e.path: e.blob_id for e in api.list_repo_tree(repo_id, repo_type=REPO_TYPE, revision=branch,
                                                                  recursive=True) if isinstance(e, RepoFile)}
         ops = [CommitOperationAdd(rel, data) for rel, data in files.items() if remote.get(rel) != git_hash(data)]
@@ -235,16 +306,19 @@ def _upload(spec: KernelSpec, files: dict[str, bytes], api, repo_id: str, privat
         if not ops:
             say(f"{repo_id}@{branch}: up to date ({len(files)} files)")
             return None
-        say(f"{repo_id}@{branch}: committing {len(ops)} change(s) ({len(files)} files)")
-        info = api.create_commit(repo_id, operations=ops, repo_type=REPO_TYPE, revision=branch,
+        say(f"{repo_id}@{branch}: {'opening a pull request with' if create_pr else 'committing'} {len(ops)} change(s) "
+            f"({len(files)} files)")
+        info = api.create_commit(repo_id, operations=ops, repo_type=REPO_TYPE, revision=branch, create_pr=create_pr,
                                  commit_message=f"pallas-hub publish {spec.name} v{spec.version}")
-        return info.oid
+        if create_pr:
+            say(f"{repo_id}@{branch}: pull request {info.pr_url}")
+        return info
 
-    branch = f"v{spec.version}"
-    api.create_branch(repo_id, branch=branch, repo_type=REPO_TYPE, exist_ok=True)
-    sync(branch, files, lambda rel: rel.startswith(MANAGED))
+    pushed = sync(branch, files, lambda rel: rel.startswith(MANAGED))
     if main := main_files(spec):
-        sync("main", main, lambda rel: rel == "README.md")
+        sync("main", main, lambda rel: False)  # main also holds what others put there: nothing is deleted
+    if create_pr:
+        return pushed.pr_url if pushed is not None else ""
     refs = api.list_repo_refs(repo_id, repo_type=REPO_TYPE)
     commit = next(b.target_commit for b in refs.branches if b.name == branch)
     say(f"{repo_id}: v{spec.version} is commit {commit}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from .fetch import Fetched, fetch, read_lock, write_lock
+from .fetch import Fetched, check_lock_target, fetch, read_lock, write_lock
 from .register import Registration, register
 
 
@@ -38,10 +38,12 @@ def load(repos: list[str] | dict[str, int] | None = None, *, trust: list[str] | 
     """Fetch kernels (verified, through ``kernels.get_kernel``) and register what each declares.
 
     ``repos``: ``{"org/name": version}``, or a list of repo ids with ``version`` (or a ``lock`` file)
-    for all; ``None`` means every kernel of this repository's manifest at its build.toml version.
+    for all; ``None`` means every kernel of the hub manifest found from the current folder upward, at its
+    build.toml version.
     ``trust``: the explicit allow-list of repo ids (nothing is trusted by default).
     ``source``: ``LocalHub(...)`` (default: the local hub) or ``Hub(endpoint=..., cache_dir=...)``.
-    ``lock``: a lock file whose commits and digests are enforced; ``write_lock_to``: record what was loaded.
+    ``lock``: a lock file whose commits and digests are enforced; ``write_lock_to``: record what was loaded
+    (pallas-hub's own lock file, conventionally ``pallas-hub.lock``; ``kernels.lock`` is the kernels library's).
     If anything fails, whatever was registered already is undone.
     """
     if repos is None:
@@ -50,6 +52,8 @@ def load(repos: list[str] | dict[str, int] | None = None, *, trust: list[str] | 
         repos = {k.repo_id: k.version for k in load_manifest().kernels.values()}
     elif not isinstance(repos, dict):
         repos = {r: version for r in repos}
+    if write_lock_to is not None:
+        check_lock_target(write_lock_to)
     pins = read_lock(lock) if lock is not None else None
     loaded = Loaded([], Registration())
     try:

@@ -6,9 +6,14 @@ success or the compiler's error, with HBM figures from XLA and the VMEM the kern
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
+import os
+import re
+import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -18,12 +23,41 @@ from ..vendored._chips import chip as get_chip
 from .introspect import pallas_calls
 
 
+# What libtpu prints on stderr when it starts on a host that is not a TPU VM: jax fills TPU_ACCELERATOR_TYPE and
+# TPU_WORKER_HOSTNAMES with "WARNING: could not determine ..." texts, which libtpu then reports as errors
+# (E0000 ... INVALID_ARGUMENT ... unexpected worker hostname), with a source trace. Harmless for compile-only use.
+_LIBTPU_START_NOISE = re.compile(r"could not determine TPU|Logging before InitGoogle|Source Location Trace|"
+                                 r"^\S+\.cc:\d+$")
+
+
+@contextlib.contextmanager
+def _without_libtpu_start_noise():
+    """Capture stderr at the file-descriptor level (libtpu writes there from C++) and pass on every line
+    but libtpu's start-up noise."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as captured:
+        os.dup2(captured.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            captured.seek(0)
+            kept = [line for line in captured.read().decode(errors="replace").splitlines()
+                    if line.strip() and not _LIBTPU_START_NOISE.search(line.strip())]
+            if kept:
+                print("\n".join(kept), file=sys.stderr)
+
+
 @functools.lru_cache(maxsize=None)
 def tpu_devices(topology: str) -> tuple[Any, ...]:
     """Devices of a libtpu compile-only topology (no TPU needed), e.g. "v6e:2x2", "v6e:2x4"."""
     from jax.experimental import topologies
 
-    return tuple(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
+    with _without_libtpu_start_noise():
+        return tuple(topologies.get_topology_desc(topology_name=topology, platform="tpu").devices)
 
 
 def tpu_mesh(axis_names: tuple[str, ...], shape: tuple[int, ...], topology: str) -> jax.sharding.Mesh:

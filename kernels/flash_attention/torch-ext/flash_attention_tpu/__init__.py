@@ -176,7 +176,25 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
     return out.transpose(1, 2), None
 
 
+def flash_attn_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """``attention_forward`` under the name transformers' Hub-kernel loader looks for.
+
+    With ``attn_implementation="pallas-hub/flash-attention-tpu"`` (transformers >= 5.24 with kernels
+    0.18.2 <= version < 0.19) transformers loads this repository and, because it has ``flash_attn_forward``
+    and ``supports_flash_attn``, registers this function with the sdpa (boolean) mask. Continuous batching
+    (``generate_batch``) also accepts that name, since it contains "flash", but then passes all requests
+    packed into one row with no mask; this kernel would attend across requests, so it refuses instead.
+    """
+    if "cu_seq_lens_q" in kwargs:
+        raise ValueError("flash-attention-tpu does not run continuous batching (generate_batch packs requests into one "
+                         "row without a mask); use paged-attention-tpu's 'paged_flash_tpu' (pallas_hub.load registers it)")
+    return attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+
+
+supports_flash_attn = True  # what transformers' loader checks beside flash_attn_forward (see above)
+
 REGISTRATIONS = [
     {"registry": "attention", "name": "pallas_attention", "function": "attention_forward", "mask": "sdpa"},
 ]
-__all__ = ["attention", "attention_backward", "attention_forward", "attention_math", "pallas", "REGISTRATIONS"]
+__all__ = ["attention", "attention_backward", "attention_forward", "attention_math", "flash_attn_forward", "pallas",
+           "supports_flash_attn", "REGISTRATIONS"]

@@ -4,11 +4,12 @@
   a torch op (autograd: d lhs and d rhs), the JAX function is ``pallas.ragged_dot``.
 * ``experts_forward``: transformers' experts contract in one op; register it with
   ``ALL_EXPERTS_FUNCTIONS.register("tokamax_ragged_dot", experts_forward)``.
+* ``layers.MegaBlocksMoeMLP``: GPT-OSS's MoE block for kernels' ``kernelize`` / transformers' ``use_kernels``.
 """
 
 import torch
 
-from . import experts, pallas
+from . import experts, layers, pallas  # layers: kernelize's kernel.layers.<Name> (see layers.py)
 from ._bridge import jax_op
 from ._ops import add_op_namespace_prefix
 from .experts import experts_forward, experts_op  # noqa: F401
@@ -43,4 +44,4 @@ def _backward(ctx, dout):
 ragged_dot.register_autograd(_backward, setup_context=_setup_context)
 
 REGISTRATIONS = [{"registry": "experts", "name": "tokamax_ragged_dot", "function": "experts_forward"}]
-__all__ = ["ragged_dot", "experts_forward", "experts", "pallas", "REGISTRATIONS"]
+__all__ = ["ragged_dot", "experts_forward", "experts", "layers", "pallas", "REGISTRATIONS"]
