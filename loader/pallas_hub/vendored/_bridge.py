@@ -202,7 +202,7 @@ def to_jax(t: torch.Tensor):
 
     That is a NumPy view of the tensor's memory (bfloat16 through ml_dtypes): JAX's CPU client
     wraps an aligned host buffer in place, and this path costs about half of a DLPack import plus
-    the first use of the imported array (measured by benchmarks/bridge.py). Dtypes NumPy cannot
+    the first use of the imported array (measured by pallas_hub.bench.bridge_overhead). Dtypes NumPy cannot
     view go through DLPack, which also shares memory.
     """
     import jax
