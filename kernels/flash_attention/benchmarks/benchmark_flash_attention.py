@@ -5,6 +5,12 @@ On a CPU host the kernel runs in Pallas interpret mode, so the timings say nothi
 (modelled TPU costs: RESULTS.md beside this file, from `pallas-hub bench`). `kernels benchmark` does not synchronise TPU
 devices, so every benchmark_ method ends with the vendored bridge's synchronize.
 Shapes are kept modest so that the CPU interpreter finishes.
+
+`kernels benchmark` checks with torch.allclose(out, verify_..., atol=1e-2) on the bf16 output. Above 2 one
+bf16 ulp is 1.6e-2, so there the check would demand the exact rounding of the true value, which no kernel that
+feeds the MXU bf16 probabilities gives (ours, jax flash, splash): its error is about half an ulp plus 3e-4
+relative. v is drawn at std 0.25 (|out| <= max|v| stays below 2, where one ulp is 7.8e-3), so the check
+still fails on any error larger than about one ulp. Accuracy proper is tested in tests/, against float64.
 """
 
 import importlib
@@ -30,7 +36,7 @@ class FlashAttentionBenchmark(Benchmark):
     def _make(self, b, sq, sk, dtype=torch.bfloat16):
         self.q = torch.randn(b, HQ, sq, D, device=self.device, dtype=dtype)
         self.k = torch.randn(b, HKV, sk, D, device=self.device, dtype=dtype)
-        self.v = torch.randn(b, HKV, sk, D, device=self.device, dtype=dtype)
+        self.v = (0.25 * torch.randn(b, HKV, sk, D, device=self.device)).to(dtype)  # see the module docstring
 
     # prefill, causal
     def setup_prefill_1k(self):

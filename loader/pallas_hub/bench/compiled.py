@@ -271,6 +271,14 @@ def ops(profile: dict) -> list[dict]:
     return out
 
 
+def _harness() -> str:
+    """A cached failure holds only while the code that built the program is the same (a harness bug is not the
+    compiler's verdict)."""
+    here = Path(__file__).parent
+    return hashlib.sha256(b"".join((here / f).read_bytes() for f in ("compiled.py", "runner.py", "validate.py",
+                                                                       "problems.py"))).hexdigest()[:16]
+
+
 def _worker(worklist: str, dump: str) -> None:
     """python -m pallas_hub.bench.compiled WORKLIST DUMP_DIR: one line per job on stdout."""
     items = json.loads(Path(worklist).read_text())
@@ -285,13 +293,18 @@ def _worker(worklist: str, dump: str) -> None:
         except Exception as e:  # report and go on: one failing program must not stop the others
             from ..verify import first_line
 
+            if not isinstance(e, (MemoryError, OSError)):  # the compiler's own verdict: the same inputs fail again
+                out.write_text(json.dumps({"version": PROFILE_VERSION, "job": item["job"], "error": first_line(e),
+                                           "harness": _harness()}))
             print(f"FAIL {item['key']} {first_line(e)}", flush=True)
 
 
 def profiles(jobs: list[Job], *, progress: Callable = print, workers: int = 1, timeout: float = 3600) -> dict[str, dict]:
     """Profile per job key: from the cache, else compiled by ``workers`` worker processes.
 
-    A failed compile gives ``{"error": message}`` (never a guessed profile)."""
+    A failed compile gives ``{"error": message}`` (never a guessed profile); the compiler's errors are cached
+    like profiles (same key), a crashed or stalled worker's are not. ``timeout``: seconds without any program
+    finishing before the workers are stopped."""
     cache = cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     result: dict[str, dict] = {}
@@ -301,8 +314,10 @@ def profiles(jobs: list[Job], *, progress: Callable = print, workers: int = 1, t
         path = cache / f"{key}.json"
         if path.exists():
             try:
-                result[key] = json.loads(path.read_text())
-                continue
+                cached = json.loads(path.read_text())
+                if "error" not in cached or cached.get("harness") == _harness():
+                    result[key] = cached
+                    continue
             except json.JSONDecodeError:
                 path.unlink()
         todo.append({"key": key, "job": job.to_dict(), "out": str(path)})
@@ -343,10 +358,10 @@ def _follow(procs, todo, result, progress, timeout):
     sel = selectors.DefaultSelector()
     for p in procs:
         sel.register(p.stdout, selectors.EVENT_READ, p)
-    start = time.perf_counter()
+    start = last = time.perf_counter()
     done = 0
     open_streams = len(procs)
-    while open_streams and time.perf_counter() - start < timeout:
+    while open_streams and time.perf_counter() - last < timeout:
         for key_, _ in sel.select(timeout=30):
             line = key_.fileobj.readline()
             if not line:
@@ -359,6 +374,7 @@ def _follow(procs, todo, result, progress, timeout):
             key = parts[1].strip()
             item = by_key[key]
             done += 1
+            last = time.perf_counter()
             if parts[0] == "DONE":
                 result[key] = json.loads(Path(item["out"]).read_text())
                 what = f"{float(parts[2]):.0f}s"
