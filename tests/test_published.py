@@ -32,6 +32,16 @@ def test_published_files_are_renderings_of_the_results(result):
         assert str(ROOT) not in path.read_text(), f"{path.relative_to(ROOT)} holds an absolute path"
 
 
+def test_rendering_does_not_depend_on_the_order_of_keys(result):
+    """bench.json is written with sorted keys: what a run publishes must equal a re-render of the file."""
+    def reverse(x):
+        if isinstance(x, dict):
+            return {k: reverse(x[k]) for k in reversed(list(x))}
+        return [reverse(v) for v in x] if isinstance(x, list) else x
+
+    assert report.rendered(reverse(result)) == report.rendered(result)
+
+
 def test_the_results_were_made_from_head(result):
     now = runner.inputs_digest()
     for key in ("cost_model", "kernels", "anchors", "versions"):

@@ -151,7 +151,8 @@ def breakdown_table(result: dict, family: str, chip: str = "v6e") -> list[str]:
 def chips_table(result: dict) -> list[str]:
     lines = ["| chip | bf16 peak / device | HBM / device | MXUs | clock (derived) | cycles / vmatmul | "
              "TensorCores per chip |", "|---|---|---|---|---|---|---|"]
-    for c, f in result["chip_figures"].items():
+    for c in result["chips"]:  # bench.json is written with sorted keys: render in the run's order, not the JSON's
+        f = result["chip_figures"][c]
         lines.append(f"| {CHIP_TITLE[c]} | {f['peak_flops'] / 1e12:.0f} TF/s | {f['hbm_bandwidth'] / 1e12:.2f} TB/s | "
                      f"{f['mxu_count']} x {f['mxu_dim']}x{f['mxu_dim']} | {f['clock_hz'] / 1e9:.2f} GHz | "
                      f"{f['vmatmul_cycles']} | {f['tensorcores_per_chip']} |")
@@ -192,7 +193,8 @@ def bridge_section(result: dict) -> list[str]:
     cmp = b["compilations"]
     lines += ["", f"XLA compilations over token counts {cmp['token_counts']}: {cmp['xla_compilations']} "
                   f"({cmp['distinct_new_shapes']} new shapes).",
-              "Breakdown (8,128) f32, median: " + ", ".join(f"{k} {v:.1f} us" for k, v in b["breakdown_us"].items()) + "."]
+              "Breakdown (8,128) f32, median: " + ", ".join(f"{k} {v:.1f} us" for k, v in sorted(b["breakdown_us"].items()))
+              + "."]
     return lines
 
 
@@ -206,7 +208,7 @@ def tpu_section(result: dict) -> list[str]:
         lines.append(f"| {r['problem']} | {r['impl']} | {r.get('device', '')} | {fmt_time(r.get('median_s'))} | "
                      f"{fmt_time(r.get('modelled_s'))} |")
     if t.get("calibration"):
-        lines += ["", "Calibration from these timings: " + ", ".join(f"{k} {v}" for k, v in t["calibration"].items())]
+        lines += ["", "Calibration from these timings: " + ", ".join(f"{k} {v}" for k, v in sorted(t["calibration"].items()))]
     return lines
 
 
@@ -269,9 +271,9 @@ def readme_block(result: dict) -> str:
                   "jax's Pallas TPU matmul (512 x 512 x 512 blocks), and libtpu's own static estimate of that kernel "
                   "where it can make one (a validation compile; it crashes on TPU7x loops).", ""] + val
     lines += bridge_section(result) + tpu_section(result)
-    ver = ", ".join(f"{k} {v}" for k, v in (inputs.get("versions") or {}).items())
+    ver = ", ".join(f"{k} {v}" for k, v in sorted((inputs.get("versions") or {}).items()))
     lines += ["", f"Inputs: cost model `{inputs.get('cost_model', '')}`, kernels "
-                  + ", ".join(f"{k} `{v}`" for k, v in (inputs.get("kernels") or {}).items())
+                  + ", ".join(f"{k} `{v}`" for k, v in sorted((inputs.get("kernels") or {}).items()))
                   + f", anchors `{inputs.get('anchors', '')}`; {ver}.",
               f"Plots: " + ", ".join(f"`results/layers_{c}.png`" for c in result["chips"]) + "."]
     return "\n".join(lines)
@@ -286,7 +288,8 @@ def results_block(result: dict, family: str) -> str:
 
 def card_block(result: dict, family: str) -> str:
     lines = ["Modelled on one JAX device (a cost model fed by the real compiler's schedule, not a TPU measurement; "
-             "method and every row in `benchmarks/RESULTS.md` and the repository's benchmarks/README.md). "
+             "method and every row in [benchmarks/RESULTS.md](benchmarks/RESULTS.md), published with this card, and "
+             "the source repository's benchmarks/README.md). "
              "Whole layers: the kernels and the XLA ops around them. Anchor / ours > 1 means ours is faster, at "
              "0 / 0.35 / 0.7 us per grid step.", ""] + summary_table(result, family)
     return "\n".join(lines)
