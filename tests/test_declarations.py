@@ -19,10 +19,10 @@ from pallas_hub.verify import interpret
 KERNELS = sorted(manifest.load_manifest().kernels)
 
 
-def _family_case(family):
-    """The benchmark's own reduced case of the family's first problem (its calling convention, with an
-    independent plain-JAX reference): what `pallas-hub bench` checks, here on every test run."""
-    check = next(p for p in problems.problems(families=(family,)) if p.family == family).check()
+def _family_case(family, fmt="bf16"):
+    """The benchmark's own reduced case of the family's first problem in ``fmt`` (its calling convention,
+    with an independent plain-JAX reference): what `pallas-hub bench` checks, here on every test run."""
+    check = next(p for p in problems.problems(families=(family,)) if p.family == family and p.format == fmt).check()
     return check.args, check.kwargs, check.reference, check.tol
 
 
@@ -33,15 +33,17 @@ def test_each_kernel_declares_its_bench_problems_and_they_compute_the_right_thin
     raced, own = bench_declaration(spec, kernel)
     if raced is not None:
         family, impl = raced
-        assert isinstance(impl, BenchImpl)
-        args, kwargs, ref, tol = _family_case(family)
-        if impl.prepare:
-            args = impl.prepare(*args)
-        with interpret("fast"), impl.context("v6e") if impl.context else contextlib.nullcontext():
-            got = impl.fn(*args, chip="v6e", **kwargs)
-        got = got[0] if isinstance(got, tuple) else got  # decode also returns the updated caches
-        err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
-        assert err < tol, (family, err)
+        assert isinstance(impl, BenchImpl) and "bf16" in impl.formats
+        assert set(impl.formats) <= {"bf16", *problems.QUANT_FORMATS}, impl.formats
+        for fmt in impl.formats:  # the quantized formats it declares too: the scales appended
+            args, kwargs, ref, tol = _family_case(family, fmt)
+            if impl.prepare:
+                args = impl.prepare(*args)
+            with interpret("fast"), impl.context("v6e") if impl.context else contextlib.nullcontext():
+                got = impl.fn(*args, chip="v6e", **kwargs)
+            got = got[0] if isinstance(got, tuple) else got  # decode also returns the updated caches
+            err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
+            assert err < tol, (family, fmt, err)
     for problem in own:
         jax.eval_shape(lambda *a: problem.fn(*a, **problem.kwargs), *problem.args)  # abstract, as the cost model
         assert problem.min_bytes > 0 and problem.min_flops >= 0
@@ -67,3 +69,25 @@ def test_a_kernel_that_declares_no_bench_problems_is_refused_not_skipped(tmp_pat
     (spec.path / "bench_problems.py").write_text('FAMILY = "matmul"\n')
     with pytest.raises(manifest.ManifestError, match=r"FAMILY must be one of \('moe', 'prefill', 'decode'\)"):
         bench_declaration(manifest.load_kernel(spec.path, key="other"), None)
+
+
+def test_the_benchmarks_dequantization_is_the_checkpoints():
+    """The quantized checks' reference decodes weights as checkpoints mean them: MXFP4 as transformers'
+    own converter does; fp8 blocks and int8 channels on a hand-made case."""
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (2, 6, 64 // 2), dtype=np.uint8)  # [E, out, in/2]
+    scales = rng.integers(120, 131, (2, 6, 64 // 32), dtype=np.uint8)
+    theirs = convert_moe_packed_tensors(torch.from_numpy(blocks.reshape(2, 6, 2, 16)), torch.from_numpy(scales),
+                                        dtype=torch.float32).transpose(1, 2)  # theirs is [E, in, out]
+    np.testing.assert_array_equal(np.asarray(problems.dequantize_weight("mxfp4", blocks, scales)), theirs.numpy())
+
+    w = jnp.ones((1, 130, 260), jnp.float8_e4m3fn)  # blocks of 128 x 128, the last ones partial
+    s = jnp.arange(1, 7, dtype=jnp.float32).reshape(1, 2, 3)
+    got = np.asarray(problems.dequantize_weight("fp8", w, s))
+    assert got[0, 127, 127] == 1 and got[0, 127, 128] == 2 and got[0, 128, 0] == 4 and got[0, 129, 259] == 6
+    w8 = jnp.asarray([[[3, -2], [1, 127]]], jnp.int8)
+    np.testing.assert_array_equal(problems.dequantize_weight("int8", w8, jnp.asarray([[0.5, 2.0]])),
+                                  [[[1.5, -1.0], [2.0, 254.0]]])

@@ -1,6 +1,6 @@
 """What `pallas-hub bench` runs for ragged-dot-tpu: whole MoE experts layers (Qwen3-30B-A3B and GPT-OSS-20B,
 1 to 8192 tokens) through the path transformers runs (`experts`, the fused expert MLP), beside megablox,
-tokamax and vLLM TPU's grouped matmuls and fused_moe."""
+tokamax and vLLM TPU's grouped matmuls and fused_moe; and with fp8, int8 and MXFP4 weights as stored."""
 
 import contextlib
 
@@ -19,7 +19,9 @@ def implementation(kernel):
         finally:
             kernel.pallas.current_chip = saved
 
-    def fn(x, ids, weights, gate_up, down, logits, *, top_k, chip):
-        return kernel.experts.experts(x, ids, weights, gate_up, down)
+    def fn(x, ids, weights, gate_up, down, logits, gate_up_scale=None, down_scale=None, *, top_k, chip):
+        return kernel.experts.experts(x, ids, weights, gate_up, down, gate_up_scale=gate_up_scale,
+                                      down_scale=down_scale,
+                                      interleaved=str(gate_up.dtype) == "uint8")  # MXFP4 as GPT-OSS stores it
 
-    return BenchImpl(fn, per_chip=True, context=chip_context)
+    return BenchImpl(fn, per_chip=True, context=chip_context, formats=("bf16", "fp8", "int8", "mxfp4"))

@@ -11,6 +11,14 @@ Three layers (DESIGN.md "Shapes that matter"):
   cache (in place), then attend over its context (the new token included). Context lengths are
   seeded uniform in ``DECODE_CONTEXT``; pages of ``page`` tokens scattered at random over one pool.
 
+A problem's ``format`` is how its big operand is stored: "bf16", or quantized (``QUANT_FORMATS``):
+the experts' weights as checkpoints store them (fp8 e4m3 with f32 scales per 128 x 128 block, the
+FP8 checkpoints' ``*_scale_inv``; int8 with f32 per-output-channel scales; GPT-OSS's MXFP4, uint8
+packed pairs with e8m0 scales per 32 inputs, gate_up's rows interleaved gate, up, gate, ... as
+GPT-OSS stores them), their scales appended to the arguments; or the KV
+cache (fp8 e4m3 or int8 with f32 scales per KV head, ``k_scale, v_scale`` appended). Only
+implementations that declare the format race it.
+
 Bulk data is abstract (ShapeDtypeStructs); what steers the kernels (routing, lengths, page tables)
 is concrete, so the cost model follows the real control flow. ``min_bytes``/``min_flops`` are the
 least any implementation must move and compute: the ideal time is their roofline.
@@ -46,16 +54,21 @@ class Model:
     moe_tokens: tuple = (1, 8, 64, 256, 2048, 8192)  # decode batches and prefill lengths
     prefill_tokens: tuple = (2048, 8192)
     decode: tuple = ((1, 16), (8, 16), (64, 16), (256, 16), (64, 128))  # (batch, page size)
+    quantized_moe: tuple = ()  # (format, tokens)
+    quantized_decode: tuple = ()  # (format, batch, page size)
 
 
 # transformers' Qwen3MoeConfig for Qwen/Qwen3-30B-A3B (checked against its config.json fields)
 QWEN3_30B_A3B = Model("Qwen3-30B-A3B", hidden=2048, experts=128, top_k=8, moe_intermediate=768,
-                      q_heads=32, kv_heads=4, head_dim=128, short="Qwen3")
+                      q_heads=32, kv_heads=4, head_dim=128, short="Qwen3",
+                      quantized_moe=(("fp8", 1), ("fp8", 64), ("fp8", 256), ("int8", 64)),
+                      quantized_decode=(("fp8", 64, 16), ("fp8", 64, 128), ("int8", 64, 128)))
 # openai/gpt-oss-20b's config.json shapes (its experts are computed here as SiLU-gated, unbiased, as
 # for Qwen3, by every implementation); fewer shapes, to keep the run short.
 GPT_OSS_20B = Model("GPT-OSS-20B", hidden=2880, experts=32, top_k=4, moe_intermediate=2880,
                     q_heads=64, kv_heads=8, head_dim=64, short="GPT-OSS",
-                    moe_tokens=(1, 64, 256, 2048), prefill_tokens=(2048,), decode=((1, 16), (64, 16)))
+                    moe_tokens=(1, 64, 256, 2048), prefill_tokens=(2048,), decode=((1, 16), (64, 16)),
+                    quantized_moe=(("mxfp4", 1), ("mxfp4", 64)))
 MODELS = (QWEN3_30B_A3B, GPT_OSS_20B)
 DECODE_CONTEXT = (1024, 4096)  # each sequence's context length, uniform in this range (seeded)
 
@@ -82,6 +95,7 @@ class Problem:
     check: Callable[[], Check]  # a reduced concrete case for the interpret-mode check
     check_key: tuple
     recipe: tuple = ()  # how to build it again: (builder name, model fields, arguments...)
+    format: str = "bf16"  # how the weights (moe) or the KV cache (decode) are stored: "bf16" or QUANT_FORMATS
 
 
 def sds(shape, dtype=BF16):
@@ -109,31 +123,98 @@ def moe_reference(x, ids, weights, gate_up, down):
     return (y * weights[:, :, None]).sum(axis=1)
 
 
-def _moe_check(tokens: int) -> Check:
+QUANT_FORMATS = {  # format -> what the weights (moe) or the KV cache (decode) hold
+    "fp8": "float8_e4m3fn, f32 scales per 128 x 128 block (moe) or per KV head (decode)",
+    "int8": "int8, f32 scales per output channel (moe) or per KV head (decode)",
+    "mxfp4": "uint8 packed e2m1 pairs, uint8 e8m0 scales per 32 inputs (moe only)",
+}
+FP8_BLOCK = 128
+_FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+
+
+def quantized_weight(fmt: str, e: int, out: int, inp: int) -> tuple:
+    """(weights, scales) of one [E, out, inp] expert weight stored in ``fmt`` (ShapeDtypeStructs)."""
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    if fmt == "fp8":
+        return sds((e, out, inp), jnp.float8_e4m3fn), sds((e, cdiv(out, FP8_BLOCK), cdiv(inp, FP8_BLOCK)), jnp.float32)
+    if fmt == "int8":
+        return sds((e, out, inp), jnp.int8), sds((e, out), jnp.float32)
+    if fmt == "mxfp4":
+        return sds((e, out, inp // 2), jnp.uint8), sds((e, out, inp // 32), jnp.uint8)
+    raise ValueError(f"unknown format {fmt!r}: one of {sorted(QUANT_FORMATS)}")
+
+
+def dequantize_weight(fmt: str, w, scale):
+    """Plain f32 [E, out, inp] of a quantized expert weight (the reference's own decoding)."""
+    if fmt == "fp8":
+        full = jnp.repeat(jnp.repeat(scale, FP8_BLOCK, axis=1), FP8_BLOCK, axis=2)[:, :w.shape[1], :w.shape[2]]
+        return w.astype(jnp.float32) * full
+    if fmt == "int8":
+        return w.astype(jnp.float32) * scale[:, :, None]
+    if fmt == "mxfp4":  # low nibble first, then high (transformers' convert_moe_packed_tensors)
+        w = np.asarray(w)
+        vals = np.stack([_FP4[w & 0x0F], _FP4[w >> 4]], axis=-1).reshape(*w.shape[:-1], w.shape[-1] * 2)
+        exp = np.repeat(np.asarray(scale, np.int32) - 127, 32, axis=-1)
+        return jnp.asarray(np.ldexp(vals, exp))
+    raise ValueError(f"unknown format {fmt!r}")
+
+
+def _random_quantized(fmt: str, rng, e: int, out: int, inp: int) -> tuple:
+    """Concrete random weights of ``fmt`` for the checks: values of about 1 / sqrt(inp)."""
+    if fmt == "fp8":
+        w = jnp.asarray(rng.standard_normal((e, out, inp)), jnp.float8_e4m3fn)
+        s = rng.uniform(0.5, 1.5, (e, -(-out // FP8_BLOCK), -(-inp // FP8_BLOCK))) / math.sqrt(inp)
+        return w, jnp.asarray(s, jnp.float32)
+    if fmt == "int8":
+        w = jnp.asarray(rng.integers(-127, 128, (e, out, inp)), jnp.int8)
+        return w, jnp.asarray(rng.uniform(0.5, 1.5, (e, out)) / (64 * math.sqrt(inp)), jnp.float32)
+    w = jnp.asarray(rng.integers(0, 256, (e, out, inp // 2)), jnp.uint8)
+    s = rng.integers(127 - 2, 127 + 1, (e, out, inp // 32)) - round(math.log2(math.sqrt(inp)))
+    return w, jnp.asarray(s, jnp.uint8)
+
+
+def _moe_check(tokens: int, fmt: str = "bf16") -> Check:
     e, top_k, h, i = 8, 2, 256, 128
     logits, ids, w = routing(tokens, e, top_k, seed=tokens)
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((tokens, h)), BF16)
-    gate_up = jnp.asarray(rng.standard_normal((e, 2 * i, h)) / math.sqrt(h), BF16)
-    down = jnp.asarray(rng.standard_normal((e, h, i)) / math.sqrt(i), BF16)
-    args = (x, jnp.asarray(ids), jnp.asarray(w), gate_up, down)
-    return Check(args + (jnp.asarray(logits),), {"top_k": top_k}, moe_reference(*args),
-                 f"{tokens} tokens x top-{top_k} of {e} experts, hidden {h}, intermediate {i}", 2e-2)
+    if fmt == "bf16":
+        gate_up = jnp.asarray(rng.standard_normal((e, 2 * i, h)) / math.sqrt(h), BF16)
+        down = jnp.asarray(rng.standard_normal((e, h, i)) / math.sqrt(i), BF16)
+        args, scales = (x, jnp.asarray(ids), jnp.asarray(w), gate_up, down), ()
+        reference = moe_reference(*args)
+    else:
+        (gate_up, gu_s), (down, dn_s) = _random_quantized(fmt, rng, e, 2 * i, h), _random_quantized(fmt, rng, e, h, i)
+        args, scales = (x, jnp.asarray(ids), jnp.asarray(w), gate_up, down), (gu_s, dn_s)
+        gu = dequantize_weight(fmt, gate_up, gu_s)
+        if fmt == "mxfp4":  # GPT-OSS stores gate and up interleaved (rows gate, up, gate, ...)
+            gu = jnp.concatenate([gu[:, 0::2], gu[:, 1::2]], axis=1)
+        reference = moe_reference(*args[:3], gu, dequantize_weight(fmt, down, dn_s))
+    return Check(args + (jnp.asarray(logits),) + scales, {"top_k": top_k}, reference,
+                 f"{tokens} tokens x top-{top_k} of {e} experts, hidden {h}, intermediate {i}"
+                 + ("" if fmt == "bf16" else f", {fmt} weights"), 2e-2)
 
 
-def moe_problem(m: Model, tokens: int) -> Problem:
+def moe_problem(m: Model, tokens: int, fmt: str = "bf16") -> Problem:
     h, e, k, i = m.hidden, m.experts, m.top_k, m.moe_intermediate
     logits, ids, w = routing(tokens, e, k, seed=tokens)
     active = int(len(np.unique(ids)))
     ct = min(tokens, 16)
-    weights = active * 3 * h * i * 2
+    if fmt == "bf16":
+        gate_up, down, scales = sds((e, 2 * i, h)), sds((e, h, i)), ()
+    else:
+        (gate_up, gu_s), (down, dn_s) = quantized_weight(fmt, e, 2 * i, h), quantized_weight(fmt, e, h, i)
+        scales = (gu_s, dn_s)
+    per_expert = sum(math.prod(a.shape[1:]) * a.dtype.itemsize for a in (gate_up, down) + scales)
     return Problem(
-        "moe", m.name, f"{m.short} MoE layer T={tokens}",
-        {"tokens": tokens, "hidden": h, "experts": e, "top_k": k, "intermediate": i, "active_experts": active},
-        (sds((tokens, h)), jnp.asarray(ids), sds((tokens, k), jnp.float32), sds((e, 2 * i, h)), sds((e, h, i)),
-         jnp.asarray(logits)), {"top_k": k},
-        min_bytes=weights + 2 * tokens * h * 2 + tokens * k * 8, min_flops=2 * tokens * k * 3 * h * i,
-        check=functools.partial(_moe_check, ct), check_key=("moe", ct), recipe=("moe", dataclasses.asdict(m), tokens))
+        "moe", m.name, f"{m.short} MoE layer T={tokens}" + ("" if fmt == "bf16" else f" {fmt}"),
+        {"tokens": tokens, "hidden": h, "experts": e, "top_k": k, "intermediate": i, "active_experts": active,
+         "format": fmt},
+        (sds((tokens, h)), jnp.asarray(ids), sds((tokens, k), jnp.float32), gate_up, down, jnp.asarray(logits))
+        + scales, {"top_k": k},
+        min_bytes=active * per_expert + 2 * tokens * h * 2 + tokens * k * 8, min_flops=2 * tokens * k * 3 * h * i,
+        check=functools.partial(_moe_check, ct, fmt), check_key=("moe", ct, fmt),
+        recipe=("moe", dataclasses.asdict(m), tokens, fmt), format=fmt)
 
 
 # --------------------------------------------------------------------------- prefill
@@ -197,46 +278,77 @@ def decode_reference(q, new_k, new_v, k_pages, v_pages, lengths, table, scale):
     return attention_reference(q[:, :, None], dense(k_pages), dense(v_pages), scale, jnp.asarray(lengths))[:, :, 0]
 
 
-def _decode_check(m: Model, batch: int, page: int) -> Check:
+_KV_DTYPES = {"bf16": BF16, "fp8": jnp.float8_e4m3fn, "int8": jnp.int8}
+
+
+def quantize_kv(x, scale, dtype):
+    """x / scale[h] stored in a quantized cache dtype (int8 rounds to nearest and saturates), as f32 again
+    times the scale: what a quantized cache holds for a new row [..., Hkv, D]."""
+    y = x.astype(jnp.float32) / scale[:, None]
+    y = jnp.clip(jnp.round(y), -127, 127).astype(dtype) if dtype == jnp.int8 else y.astype(dtype)
+    return y.astype(jnp.float32) * scale[:, None]
+
+
+def _decode_check(m: Model, batch: int, page: int, fmt: str = "bf16") -> Check:
     hq, hkv, d = m.q_heads // m.kv_heads, 1, m.head_dim
     lengths = np.array([37, 200, 129, 16][:batch], np.int32)
     table, total = paged_table(lengths, page, seed=3, multiple=max(1, 128 // page))
     rng = np.random.default_rng(4)
     q = jnp.asarray(rng.standard_normal((batch, hq, d)), BF16)
     new_k, new_v = (jnp.asarray(rng.standard_normal((batch, hkv, d)), BF16) for _ in range(2))
-    kp, vp = (jnp.asarray(rng.standard_normal((total, page, hkv, d)), BF16) for _ in range(2))
     scale = 1 / math.sqrt(d)
-    args = (q, new_k, new_v, kp, vp, jnp.asarray(lengths), jnp.asarray(table))
-    return Check(args, {"scale": scale}, decode_reference(*args, scale),
-                 f"{batch} seqs of {', '.join(map(str, lengths))} tokens, {hq} q / {hkv} kv heads, page {page}", 2e-2)
+    if fmt == "bf16":
+        kp, vp = (jnp.asarray(rng.standard_normal((total, page, hkv, d)), BF16) for _ in range(2))
+        args, scales = (q, new_k, new_v, kp, vp, jnp.asarray(lengths), jnp.asarray(table)), ()
+        reference = decode_reference(*args, scale)
+    else:
+        dt = _KV_DTYPES[fmt]
+        ks, vs = (jnp.asarray(rng.uniform(0.02, 0.05, hkv), jnp.float32) for _ in range(2))
+        kp, vp = (jnp.asarray(rng.standard_normal((total, page, hkv, d)) / 0.035, jnp.float32) for _ in range(2))
+        kp, vp = ((jnp.clip(jnp.round(x), -127, 127) if dt == jnp.int8 else x).astype(dt) for x in (kp, vp))
+        args, scales = (q, new_k, new_v, kp, vp, jnp.asarray(lengths), jnp.asarray(table)), (ks, vs)
+        deq = lambda p, s: p.astype(jnp.float32) * s[:, None]  # noqa: E731  [P, page, Hkv, D] * [Hkv, 1]
+        reference = decode_reference(q, quantize_kv(new_k, ks, dt), quantize_kv(new_v, vs, dt), deq(kp, ks),
+                                     deq(vp, vs), jnp.asarray(lengths), jnp.asarray(table), scale)
+    return Check(args + scales, {"scale": scale}, reference,
+                 f"{batch} seqs of {', '.join(map(str, lengths))} tokens, {hq} q / {hkv} kv heads, page {page}"
+                 + ("" if fmt == "bf16" else f", {fmt} cache"), 2e-2)
 
 
-def decode_problem(m: Model, batch: int, page: int) -> Problem:
+def decode_problem(m: Model, batch: int, page: int, fmt: str = "bf16") -> Problem:
     hq, hkv, d = m.q_heads, m.kv_heads, m.head_dim
     lengths = np.random.default_rng(batch).integers(*DECODE_CONTEXT, size=batch, endpoint=True).astype(np.int32)
     table, total = paged_table(lengths, page, seed=batch, multiple=max(1, 128 // page))
     ctx = int(lengths.sum())
     cb = min(batch, 4)
+    if fmt not in _KV_DTYPES:
+        raise ValueError(f"unknown KV cache format {fmt!r}: one of {sorted(_KV_DTYPES)}")
+    cache = sds((total, page, hkv, d), _KV_DTYPES[fmt])
+    # the kernels keep per-head scales in SMEM, where the cost model wants values: small, so concrete
+    scales = () if fmt == "bf16" else (jnp.full((hkv,), 0.05, jnp.float32),) * 2
+    kv_bytes = cache.dtype.itemsize
     return Problem(
-        "decode", m.name, f"{m.short} decode B={batch} page {page}",
+        "decode", m.name, f"{m.short} decode B={batch} page {page}" + ("" if fmt == "bf16" else f" {fmt}"),
         {"batch": batch, "context_tokens": ctx, "context_min": int(lengths.min()), "context_max": int(lengths.max()),
-         "page": page, "q_heads": hq, "kv_heads": hkv, "head_dim": d},
-        (sds((batch, hq, d)), sds((batch, hkv, d)), sds((batch, hkv, d)), sds((total, page, hkv, d)),
-         sds((total, page, hkv, d)), jnp.asarray(lengths), jnp.asarray(table)), {"scale": 1 / math.sqrt(d)},
-        min_bytes=2 * (2 * hkv * ctx * d + 2 * batch * hq * d + 2 * batch * hkv * d), min_flops=4 * hq * d * ctx,
-        check=functools.partial(_decode_check, m, cb, page), check_key=("decode", cb, hq // hkv, d, page),
-        recipe=("decode", dataclasses.asdict(m), batch, page))
+         "page": page, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "format": fmt},
+        (sds((batch, hq, d)), sds((batch, hkv, d)), sds((batch, hkv, d)), cache, cache, jnp.asarray(lengths),
+         jnp.asarray(table)) + scales, {"scale": 1 / math.sqrt(d)},
+        min_bytes=2 * hkv * ctx * d * kv_bytes + 2 * (2 * batch * hq * d + 2 * batch * hkv * d),
+        min_flops=4 * hq * d * ctx,
+        check=functools.partial(_decode_check, m, cb, page, fmt), check_key=("decode", cb, hq // hkv, d, page, fmt),
+        recipe=("decode", dataclasses.asdict(m), batch, page, fmt), format=fmt)
 
 
 def problems(models=MODELS, families=("moe", "prefill", "decode")) -> list[Problem]:
     out = []
     for m in models:
         if "moe" in families:
-            out += [moe_problem(m, t) for t in m.moe_tokens]
+            out += [moe_problem(m, t) for t in m.moe_tokens] + [moe_problem(m, t, f) for f, t in m.quantized_moe]
         if "prefill" in families:
             out += [prefill_problem(m, t) for t in m.prefill_tokens]
         if "decode" in families:
             out += [decode_problem(m, b, p) for b, p in m.decode]
+            out += [decode_problem(m, b, p, f) for f, b, p in m.quantized_decode]
     return out
 
 

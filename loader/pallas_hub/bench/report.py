@@ -48,10 +48,15 @@ def problems_of(result: dict, family: str | None = None) -> list[str]:
     return list(dict.fromkeys(r["problem"] for r in result["rows"] if family in (None, r["family"])))
 
 
+def _format(row: dict) -> str:
+    return row["params"].get("format", "bf16")
+
+
 def comparisons(result: dict, family: str | None = None) -> list[dict]:
-    """Per problem and chip: ours, the best anchor (at each per-step cost), and the ratios."""
+    """Per bf16 problem and chip: ours, the best anchor (at each per-step cost), and the ratios."""
     out = []
-    for prob in problems_of(result, family):
+    quantized = {r["problem"] for r in result["rows"] if _format(r) != "bf16"}
+    for prob in (p for p in problems_of(result, family) if p not in quantized):
         rows = [r for r in result["rows"] if r["problem"] == prob]
         ours = next((r for r in rows if r["kind"] == "ours"), None)
         anchors = [r for r in rows if r["kind"] == "anchor"]
@@ -124,6 +129,30 @@ def rows_table(result: dict, family: str) -> list[str]:
         v1 = ((r.get("chips") or {}).get("v6e") or {}).get("v1_kernel_s")
         lines.append(f"| {r['problem']} | {r['impl']} | " + " | ".join(cells) + f" | {' / '.join(roofs)} | "
                      f"{fmt_time(v1)} | {_check_cell(r.get('check', {}))} |")
+    return lines
+
+
+def quantized_table(result: dict, family: str) -> list[str]:
+    """Ours on quantized weights (moe) or caches (decode) against ours on the bf16 problem of the same shape."""
+    rows = [r for r in result["rows"] if r["family"] == family and _format(r) != "bf16" and r["kind"] == "ours"]
+    if not rows:
+        return []
+    chips = result["chips"]
+    lines = ["| problem | " + " | ".join(f"{CHIP_TITLE[c]}: layer (bf16 layer, ratio)" for c in chips)
+             + " | bytes moved / quantized minimum: kernels, layer (v6e) | check |",
+             "|---|" + "---|" * len(chips) + "---|---|"]
+    for r in rows:
+        twin = next((b for b in result["rows"] if b["impl"] == r["impl"] and _format(b) == "bf16"
+                     and b["problem"] == r["problem"].rsplit(" ", 1)[0]), None)
+        cells = []
+        for c in chips:
+            q, b = _layer(r, c), twin and _layer(twin, c)
+            cells.append("error" if q is None else f"{fmt_time(q)} ({fmt_time(b)}, {q / b:.2f}x)" if b else fmt_time(q))
+        v = (r.get("chips") or {}).get("v6e") or {}
+        moved = "-"
+        if v.get("status") == "ok":
+            moved = f"{v['hbm_bytes'] / r['min_bytes']:.3f}, {(v['hbm_bytes'] + v['glue']['hbm_bytes']) / r['min_bytes']:.3f}"
+        lines.append(f"| {r['problem']} | " + " | ".join(cells) + f" | {moved} | {_check_cell(r.get('check', {}))} |")
     return lines
 
 
@@ -244,6 +273,14 @@ def family_section(result: dict, family: str, level: int = 3) -> list[str]:
     if family == "decode":
         lines += ["", _decode_note(result)]
     lines += ["", _shapes(result, family)]
+    quant = quantized_table(result, family)
+    if quant:
+        what = "weights as checkpoints store them" if family == "moe" else "the KV cache"
+        lines += ["", f"{h} {FAMILY_TITLE[family]}: quantized {what} (ours; anchors race bf16 only here)", "",
+                  "Layer time at 0.35 us per step beside ours on the same problem in bf16. Bytes moved: what the "
+                  "kernels (and the whole layer, XLA ops included) move over the least any implementation must "
+                  "move in that format (the active experts' quantized weights and scales, or the quantized cache "
+                  "read once).", ""] + quant
     lines += ["", f"{h} {FAMILY_TITLE[family]}: per-step breakdown (v6e, 0 us per step)", "",
               "DMA and compute are summed over the kernel's steps (grid steps and DMA-loop iterations); a step "
               "costs the larger of the two plus the per-step cost. Bundles / MXU MFLOP: VLIW bundles issued per "

@@ -67,6 +67,7 @@ class Impl:
     donate: tuple = ()  # arguments the layer updates in place (decode caches)
     needs_device: bool = False  # fn takes device= (a mesh of one TPU device)
     per_chip: bool = True  # counts depend on the chip (tiling, block sizes)
+    formats: tuple = ("bf16",)  # the problems' storage formats it takes (problems.QUANT_FORMATS)
     digest: str = ""  # its sources, for the compile cache and the staleness check
     note: str = ""
 
@@ -325,7 +326,7 @@ def implementations(families=FAMILIES, paths=(), progress=print, built: dict | N
                 build_kernel(spec, out)
             (_, b), _ = bench_declaration(spec, load_built(out))
             impls.append(Impl(name, "ours", family, b.fn, source=str(out), prepare=b.prepare, context=b.context,
-                              donate=tuple(b.donate), per_chip=b.per_chip, digest=digest))
+                              donate=tuple(b.donate), per_chip=b.per_chip, formats=tuple(b.formats), digest=digest))
         except Exception as e:  # report, never fake a row
             impls.append(Impl(name, "ours", family, None, f"could not load: {verify.first_line(e)}"))
             progress(f"  {name}: {impls[-1].missing}")
@@ -495,7 +496,7 @@ def run(families=FAMILIES, *, out_dir: Path = RESULTS, bridge: bool = True, xla:
              "CPU interpret-mode correctness" + (", TPU timings" if measure else ""))
     probs = problem_list if problem_list is not None else problems(families=families)
     impls = impl_list if impl_list is not None else implementations(families, paths=paths, progress=progress)
-    pairs = [(p, i) for p in probs for i in impls if i.family == p.family]
+    pairs = [(p, i) for p in probs for i in impls if i.family == p.family and p.format in i.formats]
 
     progress(f"== counts: {len(pairs)} rows x {len(chips)} chips (cost model on the real routing, lengths, pages)")
     checks: dict = {}

@@ -16,6 +16,11 @@ The families' calling conventions (``chip`` is the TPU generation being modelled
     decode   ``fn(q [B, Hq, D], new_k, new_v [B, Hkv, D], k_pages, v_pages [P, page, Hkv, D], lengths [B],
              table [B, pages], *, scale, chip) -> (out [B, Hq, D], k_pages, v_pages)`` (write the new
              token's K/V at ``lengths - 1``, then attend over ``[0, lengths)``; the caches are donated)
+    Quantized problems (``BenchImpl.formats``; pallas_hub.bench.problems.QUANT_FORMATS) append the scales:
+    moe ``gate_up_scale, down_scale`` after ``logits`` (the weights as checkpoints store them: fp8 e4m3
+    with f32 [E, out/128, in/128] block scales, int8 with f32 [E, out], MXFP4 uint8 [E, out, in/2] with
+    uint8 e8m0 [E, out, in/32], gate_up's rows interleaved gate, up, ... as GPT-OSS stores them); decode ``k_scale, v_scale`` (f32 [Hkv]) after ``table``, the caches in fp8
+    e4m3 or int8.
 ``kernels/<key>/demo_check.py`` (``pallas-hub demo``)
     ``check(kernel, out=print) -> list[tuple[str, bool]]``: the kernel fetched from the local hub against
     an independent reference; each (name, ok) is one line of the demo's summary.
@@ -48,6 +53,7 @@ class BenchImpl:
     prepare: Callable | None = None  # the family's arrays into this kernel's layout, outside cost and timing
     context: Callable | None = None  # chip -> a context manager the kernel is traced in (e.g. its chip answered)
     donate: tuple = ()  # argument positions the layer updates in place (the decode caches)
+    formats: tuple = ("bf16",)  # the storage formats of the family's problems it takes (quantized: scales appended)
 
 
 @dataclasses.dataclass
