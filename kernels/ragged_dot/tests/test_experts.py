@@ -185,6 +185,28 @@ def test_experts_op_with_intermediate_off_the_lane_grid(kern):
                                    ALL_EXPERTS_FUNCTIONS["grouped_mm"](mod, x, idx, w), rtol=1e-5, atol=1e-5)
 
 
+def test_experts_op_with_gpt_oss_widths_in_concatenated_layout(kern):
+    """H = I = 2880 with [gate; up] concatenated (GPT-OSS's sizes, Qwen3's layout): no 128-multiple divides
+    I, so no fused-activation tile fits; gate_up runs as one plain pass, the activation after it."""
+    cfg = T.Qwen3MoeConfig(**{**COMMON, "hidden_size": 2880}, intermediate_size=64, moe_intermediate_size=2880,
+                           num_experts=4, num_experts_per_tok=2, head_dim=16)
+    cfg._experts_implementation = "grouped_mm"
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    torch.manual_seed(0)
+    mod = Qwen3MoeExperts(cfg)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.copy_(0.02 * torch.randn_like(p))
+        x = torch.randn(5, 2880)
+        idx, w = _routing(5, 4, 2, seed=3)
+        with pytest.raises(ValueError, match="no .tm, tn. tiling"):  # what the fused-activation pass would need
+            kern.pallas.choose_gmm_tiling(10, 2880, 2880, 4, in_dtype="float32", out_dtype="float32", chip="v6e",
+                                          n_weights=2, lane_n=False, divisors_only=True)
+        torch.testing.assert_close(kern.experts_forward(mod, x, idx, w),
+                                   ALL_EXPERTS_FUNCTIONS["grouped_mm"](mod, x, idx, w), rtol=1e-4, atol=1e-4)
+
+
 def test_no_tokens_give_an_empty_output(kern):
     """An empty batch (e.g. an expert-parallel rank that received no tokens) gives [0, H], as grouped_mm."""
     mod = _qwen3_experts(kern)

@@ -381,9 +381,25 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
     n = n_full // 2 if gated else n_full
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     if tm is None or tn is None:
-        ctm, ctn = choose_gmm_tiling(m, k, n, g, in_dtype=lhs.dtype, out_dtype=out_dtype, chip=chip,
-                                     n_weights=3 if interleaved else 2 if gated else 1, lane_n=not transposed,
-                                     divisors_only=n_w == 2, quantized=rhs_scale is not None)
+        try:
+            ctm, ctn = choose_gmm_tiling(m, k, n, g, in_dtype=lhs.dtype, out_dtype=out_dtype, chip=chip,
+                                         n_weights=3 if interleaved else 2 if gated else 1, lane_n=not transposed,
+                                         divisors_only=n_w == 2, quantized=rhs_scale is not None)
+        except ValueError:
+            if n_w != 2 or tm is not None or tn is not None:
+                raise
+            # [gate; up] halves whose width no fitting 128-multiple divides (GPT-OSS's 2880 at k = 2880): the
+            # whole [gate; up] product in one pass, the activation after it (an [m, 2n] temporary in HBM, in
+            # the output dtype, as transformers' grouped_mm keeps it), in column tiles dividing 2n if any fit
+            try:
+                ftm, ftn = choose_gmm_tiling(m, k, 2 * n, g, in_dtype=lhs.dtype, out_dtype=out_dtype, chip=chip,
+                                             lane_n=not transposed, divisors_only=True, quantized=rhs_scale is not None)
+            except ValueError:
+                ftm = ftn = None
+            both = gmm(lhs, rhs, group_sizes, transposed=transposed, out_dtype=out_dtype, tm=ftm, tn=ftn, bias=bias,
+                       rhs_scale=rhs_scale, chip=chip, vmem_limit_bytes=vmem_limit_bytes)
+            both = both.astype(jnp.float32)
+            return _activate(both[:, :n], both[:, n:], activation, alpha, limit).astype(out_dtype)
         tm, tn = tm or ctm, tn or ctn
         if n_w == 2 and n % tn:
             tn = n
