@@ -329,6 +329,11 @@ def card_block(result: dict, family: str) -> str:
              "the source repository's benchmarks/README.md). "
              "Whole layers: the kernels and the XLA ops around them. Anchor / ours > 1 means ours is faster, at "
              "0 / 0.35 / 0.7 us per grid step.", ""] + summary_table(result, family)
+    quant = quantized_table(result, family)
+    if quant:
+        what = "weights as checkpoints store them" if family == "moe" else "the KV cache"
+        lines += ["", f"Quantized {what} (ours, layer time at 0.35 us per step, beside ours on the same problem "
+                      "in bf16):", ""] + quant
     return "\n".join(lines)
 
 
