@@ -22,6 +22,7 @@ END = "<!-- bench:end -->"
 KERNEL_OF = {"moe": "ragged_dot", "prefill": "flash_attention", "decode": "paged_attention"}
 FAMILY_TITLE = {"moe": "MoE experts layer", "prefill": "causal prefill attention", "decode": "decode step (paged attention)"}
 CHIP_TITLE = {"v5e": "v5e", "v6e": "v6e", "tpu7x": "TPU7x"}
+QUANTIZED = {"moe": "weights as checkpoints store them", "decode": "the KV cache"}  # what a family's format stores
 HEADLINE = "0.35us"
 
 
@@ -275,8 +276,7 @@ def family_section(result: dict, family: str, level: int = 3) -> list[str]:
     lines += ["", _shapes(result, family)]
     quant = quantized_table(result, family)
     if quant:
-        what = "weights as checkpoints store them" if family == "moe" else "the KV cache"
-        lines += ["", f"{h} {FAMILY_TITLE[family]}: quantized {what} (ours; anchors race bf16 only here)", "",
+        lines += ["", f"{h} {FAMILY_TITLE[family]}: quantized {QUANTIZED[family]} (ours; anchors race bf16 only here)", "",
                   "Layer time at 0.35 us per step beside ours on the same problem in bf16. Bytes moved: what the "
                   "kernels (and the whole layer, XLA ops included) move over the least any implementation must "
                   "move in that format (the active experts' quantized weights and scales, or the quantized cache "
@@ -331,9 +331,8 @@ def card_block(result: dict, family: str) -> str:
              "0 / 0.35 / 0.7 us per grid step.", ""] + summary_table(result, family)
     quant = quantized_table(result, family)
     if quant:
-        what = "weights as checkpoints store them" if family == "moe" else "the KV cache"
-        lines += ["", f"Quantized {what} (ours, layer time at 0.35 us per step, beside ours on the same problem "
-                      "in bf16):", ""] + quant
+        lines += ["", f"Quantized {QUANTIZED[family]} (ours, layer time at 0.35 us per step, beside ours on the same "
+                      "problem in bf16):", ""] + quant
     return "\n".join(lines)
 
 
