@@ -85,9 +85,10 @@ def test_logits_and_greedy_tokens_match_grouped_mm(kern, family):
         assert e_ours <= 1.25 * e_ref + 4e-3, f"{family} bf16: ours {e_ours:.3g} vs grouped_mm {e_ref:.3g} from f32"
 
 
-def _qwen3_experts(kern, dtype=torch.float32, hidden=64):
-    cfg = T.Qwen3MoeConfig(**{**COMMON, "hidden_size": hidden}, intermediate_size=64, moe_intermediate_size=32, num_experts=8,
-                           num_experts_per_tok=2, head_dim=16)
+def _qwen3_experts(kern, dtype=torch.float32, hidden=64, intermediate=32, experts=8, std=0.1):
+    """A Qwen3-MoE experts module (top-2) whose weights are seeded normals of ``std``."""
+    cfg = T.Qwen3MoeConfig(**{**COMMON, "hidden_size": hidden}, intermediate_size=64,
+                           moe_intermediate_size=intermediate, num_experts=experts, num_experts_per_tok=2, head_dim=16)
     cfg._experts_implementation = "grouped_mm"
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
@@ -95,7 +96,7 @@ def _qwen3_experts(kern, dtype=torch.float32, hidden=64):
     mod = Qwen3MoeExperts(cfg).to(dtype)
     with torch.no_grad():
         for p in mod.parameters():
-            p.copy_(0.1 * torch.randn_like(p))
+            p.copy_(std * torch.randn_like(p))
     return mod
 
 
@@ -169,16 +170,8 @@ def test_unsupported_experts_and_bad_ids_are_refused(kern):
 def test_experts_op_with_intermediate_off_the_lane_grid(kern):
     """I = 64 (not a multiple of 128) with H = 128: the fused kernel reads down through its
     [E, I, H] view (see experts.py); compared with transformers' grouped_mm."""
-    cfg = T.Qwen3MoeConfig(**{**COMMON, "hidden_size": 128}, intermediate_size=64, moe_intermediate_size=64,
-                           num_experts=8, num_experts_per_tok=2, head_dim=16)
-    cfg._experts_implementation = "grouped_mm"
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
-    torch.manual_seed(0)
-    mod = Qwen3MoeExperts(cfg)
+    mod = _qwen3_experts(kern, hidden=128, intermediate=64)
     with torch.no_grad():
-        for p in mod.parameters():
-            p.copy_(0.1 * torch.randn_like(p))
         x = torch.randn(11, 128)
         idx, w = _routing(11, 8, 2, seed=5)
         torch.testing.assert_close(kern.experts_forward(mod, x, idx, w),
@@ -188,16 +181,8 @@ def test_experts_op_with_intermediate_off_the_lane_grid(kern):
 def test_experts_op_with_gpt_oss_widths_in_concatenated_layout(kern):
     """H = I = 2880 with [gate; up] concatenated (GPT-OSS's sizes, Qwen3's layout): no 128-multiple divides
     I, so no fused-activation tile fits; gate_up runs as one plain pass, the activation after it."""
-    cfg = T.Qwen3MoeConfig(**{**COMMON, "hidden_size": 2880}, intermediate_size=64, moe_intermediate_size=2880,
-                           num_experts=4, num_experts_per_tok=2, head_dim=16)
-    cfg._experts_implementation = "grouped_mm"
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
-    torch.manual_seed(0)
-    mod = Qwen3MoeExperts(cfg)
+    mod = _qwen3_experts(kern, hidden=2880, intermediate=2880, experts=4, std=0.02)
     with torch.no_grad():
-        for p in mod.parameters():
-            p.copy_(0.02 * torch.randn_like(p))
         x = torch.randn(5, 2880)
         idx, w = _routing(5, 4, 2, seed=3)
         with pytest.raises(ValueError, match="no .tm, tn. tiling"):  # what the fused-activation pass would need

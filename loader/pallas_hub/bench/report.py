@@ -142,9 +142,10 @@ def quantized_table(result: dict, family: str) -> list[str]:
     lines = ["| problem | " + " | ".join(f"{CHIP_TITLE[c]}: layer (bf16 layer, ratio)" for c in chips)
              + " | bytes moved / quantized minimum: kernels, layer (v6e) | check |",
              "|---|" + "---|" * len(chips) + "---|---|"]
+    same_shape = lambda a, b: {**a["params"], "format": None} == {**b["params"], "format": None}  # noqa: E731
     for r in rows:
         twin = next((b for b in result["rows"] if b["impl"] == r["impl"] and _format(b) == "bf16"
-                     and b["problem"] == r["problem"].rsplit(" ", 1)[0]), None)
+                     and b["model"] == r["model"] and same_shape(b, r)), None)
         cells = []
         for c in chips:
             q, b = _layer(r, c), twin and _layer(twin, c)
