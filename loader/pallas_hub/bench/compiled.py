@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -271,6 +272,7 @@ def ops(profile: dict) -> list[dict]:
     return out
 
 
+@functools.cache  # read once per process, not once per cached failure
 def _harness() -> str:
     """A cached failure holds only while the code that built the program is the same (a harness bug is not the
     compiler's verdict)."""

@@ -16,8 +16,10 @@ How the kernel works. The packed query rows are cut into tiles of ``block_q`` to
 several short sequences (decode) is one resident output block that each of them fills in. For an
 item, only the pages its rows can see (causal end, sliding-window start) are fetched, ``block_kv``
 tokens at a time, by manual DMAs from HBM into a double-buffered VMEM scratch: chunk c+1 is in
-flight while chunk c is computed. Whole pages [page, Hkv, D] are copied (one contiguous DMA each) and
-every KV head is computed from them, so GQA never repeats K/V. The page table stays in HBM and each
+flight while chunk c is computed, and during an item's last chunk the next item's first (its
+page-table row fetched into SMEM beforehand), so no item waits for its first DMA. Whole pages [page, Hkv, D] are copied (one contiguous DMA each) as
+page * Hkv dense rows (token, head), and every KV head is computed from them, so GQA never repeats K/V;
+a head's keys are one strided sublane load (``_head_rows``), not a per-token shuffle. The page table stays in HBM and each
 item copies its own row into SMEM (a 256-sequence x 32k-token table does not fit in 1 MiB of SMEM).
 Queries are regrouped by the wrapper to [Hkv, T*G, D] (G = Hq/Hkv) so each head's block is 2-D.
 
@@ -54,12 +56,16 @@ CACHE_DTYPES = KV_DTYPES + QUANTIZED_DTYPES
 QUANT_MAX = {"float8_e4m3fn": 448.0, "int8": 127.0}
 INDEX_DTYPES = ("int32", "int64")
 MiB = 1 << 20
+# Each page of a chunk is its own DMA, issued by unrolled scalar code (cost model v2, Qwen3 decode
+# B=64 on v6e: 64 pages of 16 tokens per chunk beat 32 and 128; 16 pages of 128 tokens beat 8).
+MAX_PAGES_PER_CHUNK = 64
+KV_VMEM_BUDGET = 40 * MiB  # chunks shrink (halving) until the kernel's VMEM estimate fits
 
 
 # --------------------------------------------------------------------------- validation
 
 def validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=0.0, window=0,
-             softcap=0.0, block_q=0, block_kv=512, k_scale=None, v_scale=None):
+             softcap=0.0, block_q=0, block_kv=2048, k_scale=None, v_scale=None):
     """Raise ValueError/TypeError naming the bad argument; checks values too when they are on the host."""
     check_array("q", q, dtypes=KV_DTYPES, ndim=3)
     check_array("k_pages", k_pages, dtypes=CACHE_DTYPES, ndim=4)
@@ -225,28 +231,22 @@ def _div(a, b):
 def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch (SMEM)
             q_ref, table_hbm, k_hbm, v_hbm, sinks_ref, scales_ref,  # inputs
             o_ref,  # output block [Hkv, R, D]
-            table_smem, kbuf, vbuf, sems, table_sem, m_ref, l_ref, acc_ref,  # scratch
-            *, scale, window, softcap, block_q, group, pages_per_block, sub_rows, has_sinks, quantized):
-    item = pl.program_id(0)
-    seq, tile = item_seq_ref[item], item_tile_ref[item]
-    num_pages, page = k_hbm.shape[0], k_hbm.shape[1]
+            table_smem, state, kbuf, vbuf, sems, table_sems, m_ref, l_ref, acc_ref,  # scratch
+            *, scale, window, softcap, block_q, group, pages_per_block, block_sizes, has_sinks, quantized):
+    item, num_items = pl.program_id(0), pl.num_programs(0)
+    seq = item_seq_ref[item]
+    num_pages, page = k_hbm.shape[0], k_hbm.shape[1] // o_ref.shape[0]
     hkv, rows, d = o_ref.shape
-    pps = table_smem.shape[0]
+    pps = table_smem.shape[1]
     chunk = pages_per_block * page
 
-    @pl.when(seq == -1)  # first item of a tile: rows no sequence owns (padding) stay 0
-    def _zero():
-        o_ref[...] = jnp.zeros_like(o_ref)
-
-    @pl.when(seq >= 0)
-    def _attend():
-        s = jnp.maximum(seq, 0)
-        copy = pltpu.make_async_copy(table_hbm.at[s], table_smem, table_sem.at[0])
-        copy.start()
+    def plan(it):
+        """Item ``it``'s rows [lo, hi) of the packed queries and the pages [first_page, end_page) they see."""
+        s, tile = jnp.maximum(item_seq_ref[it], 0), item_tile_ref[it]
         kv_len = kv_lens_ref[s]
         q_start, q_end = cu_ref[s], cu_ref[s + 1]
         tile_start = tile * block_q
-        lo = jnp.maximum(q_start, tile_start)  # this item's rows [lo, hi) of the packed queries
+        lo = jnp.maximum(q_start, tile_start)
         hi = jnp.minimum(q_end, tile_start + block_q)
         offset = kv_len - (q_end - q_start)  # position of the sequence's first new query
         # Keys the rows can see: causal end, sliding-window start; whole pages, clamped to the table.
@@ -255,81 +255,149 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
         first_page = _div(kv_begin, page)
         end_page = jnp.minimum(_div(kv_end + page - 1, page), pps)
         num_chunks = _div(jnp.maximum(end_page - first_page, 0) + pages_per_block - 1, pages_per_block)
-        copy.wait()
+        return dict(s=s, tile_start=tile_start, q_start=q_start, lo=lo, hi=hi, offset=offset, kv_end=kv_end,
+                    first_page=first_page, end_page=end_page, num_chunks=num_chunks)
 
-        def copies(c, slot):
-            for j in range(pages_per_block):
-                p = first_page + c * pages_per_block + j
-                pid = jnp.clip(table_smem[jnp.clip(p, 0, pps - 1)], 0, num_pages - 1)
-                yield (p < end_page,
-                       pltpu.make_async_copy(k_hbm.at[pid], kbuf.at[slot, j], sems.at[0, slot]),
-                       pltpu.make_async_copy(v_hbm.at[pid], vbuf.at[slot, j], sems.at[1, slot]))
+    def table_copy(it, row):  # sequence of item it's page-table row -> table_smem[row]
+        s = jnp.maximum(item_seq_ref[it], 0)
+        return pltpu.make_async_copy(table_hbm.at[s], table_smem.at[row], table_sems.at[row])
 
-        def start(c, slot):
-            for valid, ck, cv in copies(c, slot):
-                @pl.when(valid)
-                def _():
-                    ck.start()
-                    cv.start()
+    def copies(it_plan, row, c, slot):
+        for j in range(pages_per_block):
+            p = it_plan["first_page"] + c * pages_per_block + j
+            pid = jnp.clip(table_smem[row, jnp.clip(p, 0, pps - 1)], 0, num_pages - 1)
+            rows_j = pl.ds(j * page * hkv, page * hkv)
+            yield (p < it_plan["end_page"],
+                   pltpu.make_async_copy(k_hbm.at[pid], kbuf.at[slot, rows_j], sems.at[0, slot]),
+                   pltpu.make_async_copy(v_hbm.at[pid], vbuf.at[slot, rows_j], sems.at[1, slot]))
 
-        def wait(c, slot):
-            for valid, ck, cv in copies(c, slot):
-                @pl.when(valid)
-                def _():
-                    ck.wait()
-                    cv.wait()
+    def start(it_plan, row, c, slot):
+        for valid, ck, cv in copies(it_plan, row, c, slot):
+            @pl.when(valid)
+            def _():
+                ck.start()
+                cv.start()
+
+    def wait(it_plan, row, c, slot):
+        for valid, ck, cv in copies(it_plan, row, c, slot):
+            @pl.when(valid)
+            def _():
+                ck.wait()
+                cv.wait()
+
+    # State carried from item to item (the grid runs in order): which table_smem row holds this
+    # item's page-table row, which K/V slot its first chunk goes to, and the item whose first chunk
+    # (and table row) the previous item already fetched: an item's first chunk is prefetched while
+    # the previous item computes its last, so no item waits for its first DMA.
+    ROW, SLOT, PREFETCHED = 0, 1, 2
+
+    @pl.when(item == 0)
+    def _init():
+        state[ROW], state[SLOT], state[PREFETCHED] = 0, 0, -1
+
+    @pl.when(seq == -1)  # first item of a tile: rows no sequence owns (padding) stay 0
+    def _zero():
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+    @pl.when(seq >= 0)
+    def _attend():
+        me = plan(item)
+        s, tile_start, q_start, lo, hi = me["s"], me["tile_start"], me["q_start"], me["lo"], me["hi"]
+        offset, kv_end, first_page, num_chunks = me["offset"], me["kv_end"], me["first_page"], me["num_chunks"]
+        row, base = state[ROW], state[SLOT]
+        prefetched = state[PREFETCHED] == item
+
+        @pl.when(jnp.logical_not(prefetched))
+        def _():
+            table_copy(item, row).start()
+            table_copy(item, row).wait()
+
+        # The next item that attends: the next one, or the one after a tile's zero-init item.
+        nxt1 = jnp.minimum(item + 1, num_items - 1)
+        nxt2 = jnp.minimum(item + 2, num_items - 1)
+        nxt = jnp.where(item_seq_ref[nxt1] >= 0, nxt1, nxt2)
+        has_next = (item_seq_ref[nxt] >= 0) & (nxt > item) & (num_chunks > 0)
+        nxt_plan = plan(nxt)
+
+        @pl.when(has_next)
+        def _():
+            table_copy(nxt, 1 - row).start()
+
+        @pl.when(jnp.logical_not(prefetched) & (num_chunks > 0))
+        def _():
+            start(me, row, 0, base)
 
         # Only the row blocks holding this item's rows are touched: a decode item in a tile shared by
         # many sequences costs its own rows, not the tile's. Row r of a block is (token, head in group).
-        first_block = _div((lo - tile_start) * group, sub_rows)
-        end_block = _div((hi - tile_start) * group + sub_rows - 1, sub_rows)
+        # Items spanning at most two blocks of the smallest size (decode, short speculative runs) are
+        # computed in those, so their scores and softmax cover their own rows, not 128; longer items
+        # take the largest, so each K/V chunk goes through the MXU once per ``block_rows[-1]`` rows.
+        row_lo, row_hi = (lo - tile_start) * group, (hi - tile_start) * group
 
-        def block_rows(j):
-            r0 = pl.multiple_of(j * sub_rows, sub_rows)
-            r = r0 + jax.lax.broadcasted_iota(jnp.int32, (sub_rows, 1), 0)
+        def span(size):
+            return _div(row_lo, size), _div(row_hi + size - 1, size)
+
+        first_small, end_small = span(block_sizes[0])
+        small = end_small - first_small <= 2
+
+        def for_blocks(fn):
+            for size in block_sizes:  # static sizes; one loop runs per item, the others have no trips
+                first, end = span(size)
+                if len(block_sizes) > 1:
+                    end = jnp.where(small == (size == block_sizes[0]), end, first)
+                jax.lax.fori_loop(first, end, functools.partial(fn, size), 0)
+
+        def block_rows(size, j):
+            r0 = pl.multiple_of(j * size, size)
+            r = r0 + jax.lax.broadcasted_iota(jnp.int32, (size, 1), 0)
             tok = tile_start + _div(r, group)  # packed query row
-            return r0, pl.ds(r0, sub_rows), r, tok, (tok >= lo) & (tok < hi)
+            return r0, pl.ds(r0, size), r, tok, (tok >= lo) & (tok < hi)
 
-        def init_block(j, carry):
-            _, rs, _, _, _ = block_rows(j)
-            m_ref[:, rs, :] = jnp.full((hkv, sub_rows, 1), am.MASK_VALUE, jnp.float32)
-            l_ref[:, rs, :] = jnp.zeros((hkv, sub_rows, 1), jnp.float32)
-            acc_ref[:, rs, :] = jnp.zeros((hkv, sub_rows, d), jnp.float32)
+        def init_block(size, j, carry):
+            _, rs, _, _, _ = block_rows(size, j)
+            m_ref[:, rs, :] = jnp.full((hkv, size, 1), am.MASK_VALUE, jnp.float32)
+            l_ref[:, rs, :] = jnp.zeros((hkv, size, 1), jnp.float32)
+            acc_ref[:, rs, :] = jnp.zeros((hkv, size, d), jnp.float32)
             return carry
 
-        jax.lax.fori_loop(first_block, end_block, init_block, 0)
-
-        @pl.when(num_chunks > 0)
-        def _():
-            start(0, 0)
+        for_blocks(init_block)
 
         def body(c, carry):
-            slot = jax.lax.rem(c, 2)
+            slot = jax.lax.rem(base + c, 2)
 
-            @pl.when(c + 1 < num_chunks)  # double buffering: the next chunk flies while this one computes
+            # Double buffering: the next chunk flies while this one computes; after the last chunk,
+            # the next item's first (one copy loop for both, so the schedule holds it once).
+            last = c + 1 == num_chunks
+
+            @pl.when(last & has_next)
             def _():
-                start(c + 1, 1 - slot)
+                table_copy(nxt, 1 - row).wait()
 
-            wait(c, slot)
+            @pl.when(jnp.logical_not(last) | has_next)
+            def _():
+                target = {k: jnp.where(last, nxt_plan[k], me[k]) for k in ("first_page", "end_page")}
+                start(target, jnp.where(last, 1 - row, row), jnp.where(last, 0, c + 1), 1 - slot)
+
+            wait(me, row, c, slot)
             chunk_start = (first_page + c * pages_per_block) * page
-            k_pos = chunk_start + jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
+            itemsize = kbuf.dtype.itemsize
+            k_pos = chunk_start + _token_order(hkv, itemsize, chunk, (1, chunk), 1)
             # Slots of pages past the end were not fetched: zero them so 0 * garbage cannot give NaN.
-            v_ok = chunk_start + jax.lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) < kv_end
+            v_ok = chunk_start + _token_order(hkv, itemsize, chunk, (chunk, 1), 0) < kv_end
 
-            def compute_block(j, carry):
-                r0, rs, _, tok, mine = block_rows(j)
+            def compute_block(size, j, carry):
+                r0, rs, _, tok, mine = block_rows(size, j)
                 ok = mine & am.allowed(offset + tok - q_start, k_pos, causal=True, window=window or None)
                 ok &= k_pos < kv_end
-                last_q = offset + jnp.minimum(tile_start + _div(r0 + sub_rows - 1, group), hi - 1) - q_start
+                last_q = offset + jnp.minimum(tile_start + _div(r0 + size - 1, group), hi - 1) - q_start
 
                 @pl.when(chunk_start <= last_q)  # blocks entirely above the causal diagonal: nothing to see
                 def _():
                     for h in range(hkv):
-                        k, v = kbuf[slot, :, :, h, :], vbuf[slot, :, :, h, :]
+                        k, v = _head_rows(kbuf, slot, h, hkv, chunk), _head_rows(vbuf, slot, h, hkv, chunk)
                         if quantized:  # dequantize in VMEM: exact in q's dtype, k_scale joins the score scale
                             k, v = k.astype(q_ref.dtype), v.astype(q_ref.dtype)
-                        k = k.reshape(chunk, d)
-                        v = jnp.where(v_ok, v.reshape(chunk, d), 0)
+                        v = jnp.where(v_ok, v, 0)
                         k_scale = scale * scales_ref[h] if quantized else scale
                         sc = am.scores(q_ref[h, rs, :], k, scale=k_scale, softcap=softcap or None)
                         m, l, acc = am.online_softmax_step(m_ref[h, rs, :], l_ref[h, rs, :], acc_ref[h, rs, :],
@@ -338,17 +406,20 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
 
                 return carry
 
-            jax.lax.fori_loop(first_block, end_block, compute_block, 0)
+            for_blocks(compute_block)
             return carry
 
         jax.lax.fori_loop(0, num_chunks, body, 0)
+        state[SLOT] = jax.lax.rem(base + num_chunks, 2)
+        state[ROW] = jnp.where(has_next, 1 - row, row)
+        state[PREFETCHED] = jnp.where(has_next, nxt, -1)
 
-        def finalize_block(j, carry):
-            _, rs, r, _, mine = block_rows(j)
+        def finalize_block(size, j, carry):
+            _, rs, r, _, mine = block_rows(size, j)
             for h in range(hkv):
                 sink = None
                 if has_sinks:  # q head h*G + (r mod G)
-                    sink = jnp.full((sub_rows, 1), sinks_ref[h * group], jnp.float32)
+                    sink = jnp.full((size, 1), sinks_ref[h * group], jnp.float32)
                     for g in range(1, group):
                         sink = jnp.where(jax.lax.rem(r, group) == g, sinks_ref[h * group + g], sink)
                 out, _ = am.finalize(m_ref[h, rs, :], l_ref[h, rs, :], acc_ref[h, rs, :], sink)
@@ -357,16 +428,60 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
                 o_ref[h, rs, :] = jnp.where(mine, out.astype(o_ref.dtype), o_ref[h, rs, :])
             return carry
 
-        jax.lax.fori_loop(first_block, end_block, finalize_block, 0)
+        for_blocks(finalize_block)
 
 
-def _sub_rows(rows, dtype):
-    """Rows computed per step inside a tile: 128 when the tile splits evenly, else the whole tile."""
+def _word_runs(hkv: int, itemsize: int) -> int:
+    """Strided loads per KV head: a 32-bit word holds 4 // itemsize dense rows (token, head); when Hkv
+    is a multiple of that, every token's head h sits at the same place in its word and one load takes
+    them all, else tokens t = b (mod runs) share a place and each residue b is one load."""
+    pack = 4 // itemsize
+    return 1 if hkv == 1 else pack // math.gcd(hkv, pack)
+
+
+def _head_rows(buf, slot, h, hkv, chunk):
+    """KV head h of the chunk in ``slot``, [chunk, D] in buf's dtype, from dense rows (token, head).
+
+    Pages [page, Hkv, D] land as page * Hkv dense rows (no head padded to a sublane tile); head h is
+    rows h, h + Hkv, ..., read as 32-bit words by strided sublane loads (Mosaic takes those on 32-bit
+    data only) and unpacked by a shift. With several runs (``_word_runs``) the tokens come back
+    grouped by t mod runs, the order ``_token_order`` gives, which the masks follow: attention does
+    not depend on the order of its keys.
+    """
+    if hkv == 1:
+        return buf[slot]
+    pack = 4 // buf.dtype.itemsize
+    if pack == 1:  # 32-bit rows: load them as they are
+        return buf[slot, pl.ds(h, chunk, stride=hkv), :]
+    runs = _word_runs(hkv, buf.dtype.itemsize)
+    words = buf.bitcast(jnp.uint32).at[slot]
+    parts = []
+    for b in range(runs):
+        first = b * hkv + h  # dense row of head h of token b
+        w = words[pl.ds(first // pack, chunk // runs, stride=runs * hkv // pack), :]
+        if pack > 1:
+            bits = 32 // pack
+            w = (w >> (bits * (first % pack))).astype(jnp.dtype(f"uint{bits}"))
+        parts.append(pltpu.bitcast(w, buf.dtype))
+    return parts[0] if runs == 1 else jnp.concatenate(parts, axis=0)
+
+
+def _token_order(hkv, itemsize, chunk, shape, axis):
+    """Token (position in the chunk) of each row ``_head_rows`` returns, as an int32 iota of ``shape``."""
+    r = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
+    runs = _word_runs(hkv, itemsize)
+    if runs == 1:
+        return r
+    n = chunk // runs
+    return jax.lax.rem(r, n) * runs + _div(r, n)
+
+
+def _block_sizes(rows, dtype) -> tuple[int, ...]:
+    """Rows computed per step inside a tile, smallest first: one sublane tile (for decode items) and
+    128 when the tile splits evenly, else the whole tile."""
     sub = 16 if jnp.dtype(dtype).itemsize == 2 else 8
-    for n in (128, 64, 32, 16, 8):
-        if n % sub == 0 and rows % n == 0:
-            return n
-    return rows
+    large = next((n for n in (128, 64, 32, 16, 8) if n % sub == 0 and rows % n == 0), rows)
+    return (sub, large) if large > sub and rows % sub == 0 else (large,)
 
 
 def vmem_estimate(rows, hkv, d, page, pages_per_block, dtype) -> int:
@@ -375,7 +490,7 @@ def vmem_estimate(rows, hkv, d, page, pages_per_block, dtype) -> int:
     sub = 8 * (4 // item)
     pad = lambda n, m: -(-n // m) * m  # noqa: E731
     lanes = pad(d, 128)
-    kv = 2 * 2 * pages_per_block * page * pad(hkv, sub) * lanes * item  # K and V, two slots
+    kv = 2 * 2 * pad(pages_per_block * page * hkv, sub) * lanes * item  # K and V, two slots, dense rows
     qo = 2 * 2 * hkv * pad(rows, sub) * lanes * item  # q and o blocks, double-buffered
     stats = 2 * hkv * pad(rows, 8) * 128 * 4 + hkv * pad(rows, 8) * lanes * 4
     return kv + qo + stats
@@ -393,7 +508,7 @@ def ragged_paged_attention(
     window: int = 0,
     softcap: float = 0.0,
     block_q: int = 0,
-    block_kv: int = 512,
+    block_kv: int = 2048,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
 ) -> jax.Array:
@@ -402,7 +517,7 @@ def ragged_paged_attention(
     ``scale`` 0 = head_dim**-0.5 (the default), ``window`` 0 = none (else transformers' sliding
     window: key > query - window), ``softcap`` 0 = none, ``sinks`` [Hq] GPT-OSS sink logits,
     ``block_q`` query tokens per tile (0 = about 1024 rows), ``block_kv`` tokens fetched per DMA
-    chunk (rounded to whole pages). Zero sizes: no query rows -> [0, Hq, D]; no sequences, an empty
+    chunk (rounded to whole pages; at most 64 pages, fewer when the chunk would not fit VMEM). Zero sizes: no query rows -> [0, Hq, D]; no sequences, an empty
     page table or an empty cache -> zeros (no row has a key to attend).
 
     A quantized cache (``k_pages``/``v_pages`` float8_e4m3fn or int8, written by ``write_kv``) needs
@@ -420,8 +535,10 @@ def ragged_paged_attention(
     if (bq * group) % (16 if q.dtype == jnp.bfloat16 else 8):
         raise ValueError(f"block_q * (q heads / kv heads) = {bq * group} must be a multiple of "
                          f"{16 if q.dtype == jnp.bfloat16 else 8} (TPU sublane tile)")
-    pages_per_block = max(1, min(block_kv // page, pps))
     rows = bq * group
+    pages_per_block = max(1, min(block_kv // page, MAX_PAGES_PER_CHUNK, pps))
+    while pages_per_block > 1 and vmem_estimate(rows, hkv, d, page, pages_per_block, k_pages.dtype) > KV_VMEM_BUDGET:
+        pages_per_block //= 2
     num_tiles = max(1, pl.cdiv(t, bq))
     t_pad = num_tiles * bq
 
@@ -436,7 +553,7 @@ def ragged_paged_attention(
 
     kernel = functools.partial(
         _kernel, scale=am.resolve_scale(scale, d), window=int(window), softcap=float(softcap), block_q=bq, group=group,
-        pages_per_block=pages_per_block, sub_rows=_sub_rows(rows, q.dtype), has_sinks=sinks is not None,
+        pages_per_block=pages_per_block, block_sizes=_block_sizes(rows, q.dtype), has_sinks=sinks is not None,
         quantized=quantized)
     block = pl.BlockSpec((hkv, rows, d), lambda i, lens, cu, tiles, seqs: (0, tiles[i], 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -451,11 +568,12 @@ def ragged_paged_attention(
                       pl.BlockSpec(memory_space=pltpu.SMEM)],
             out_specs=block,
             scratch_shapes=[
-                pltpu.SMEM((pps,), jnp.int32),
-                pltpu.VMEM((2, pages_per_block, page, hkv, d), k_pages.dtype),
-                pltpu.VMEM((2, pages_per_block, page, hkv, d), v_pages.dtype),
+                pltpu.SMEM((2, pps), jnp.int32),  # page-table rows: this item's, the next item's
+                pltpu.SMEM((3,), jnp.int32),  # state carried between items (ROW, SLOT, PREFETCHED)
+                pltpu.VMEM((2, pages_per_block * page * hkv, d), k_pages.dtype),
+                pltpu.VMEM((2, pages_per_block * page * hkv, d), v_pages.dtype),
                 pltpu.SemaphoreType.DMA((2, 2)),
-                pltpu.SemaphoreType.DMA((1,)),
+                pltpu.SemaphoreType.DMA((2,)),
                 pltpu.VMEM((hkv, rows, 1), jnp.float32),
                 pltpu.VMEM((hkv, rows, 1), jnp.float32),
                 pltpu.VMEM((hkv, rows, d), jnp.float32),
@@ -467,7 +585,8 @@ def ragged_paged_attention(
         ),
         name="ragged_paged_attention",
     )(kv_lens.astype(jnp.int32), cu, item_tile, item_seq,
-      qg, page_indices.astype(jnp.int32), k_pages, v_pages, sinks_f32, scales.astype(jnp.float32))
+      qg, page_indices.astype(jnp.int32), k_pages.reshape(num_pages, page * hkv, d),
+      v_pages.reshape(num_pages, page * hkv, d), sinks_f32, scales.astype(jnp.float32))
     out = out.reshape(hkv, t_pad, group, d).transpose(1, 0, 2, 3).reshape(t_pad, hq, d)
     return out[:t]
 
