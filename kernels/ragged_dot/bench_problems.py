@@ -20,8 +20,8 @@ def implementation(kernel):
             kernel.pallas.current_chip = saved
 
     def fn(x, ids, weights, gate_up, down, logits, gate_up_scale=None, down_scale=None, *, top_k, chip):
+        mxfp4 = str(gate_up.dtype) == "uint8"  # as from_pretrained_mxfp4 stores GPT-OSS's: [E, in/2, out], interleaved
         return kernel.experts.experts(x, ids, weights, gate_up, down, gate_up_scale=gate_up_scale,
-                                      down_scale=down_scale,
-                                      interleaved=str(gate_up.dtype) == "uint8")  # MXFP4 as GPT-OSS stores it
+                                      down_scale=down_scale, is_transposed=mxfp4, interleaved=mxfp4)
 
     return BenchImpl(fn, per_chip=True, context=chip_context, formats=("bf16", "fp8", "int8", "mxfp4"))

@@ -2,6 +2,8 @@
 per-channel scales) in the experts op and gmm, against a plain NumPy dequantize-then-matmul reference;
 bad scales, block sizes and array types."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -194,7 +196,7 @@ def test_bad_scales_block_sizes_and_array_types(load_kernel):
         call(gu.astype(jnp.float8_e5m2), dn.astype(jnp.float8_e5m2), gate_up_scale=gus, down_scale=dns)
     with pytest.raises(TypeError, match="down_proj must have dtype int8, got float8_e4m3fn"):
         call(gu.astype(jnp.int8), dn, gate_up_scale=gus, down_scale=dns)
-    with pytest.raises(NotImplementedError, match="only transformers' .E, 2I, H. / .E, H, I. layout"):
+    with pytest.raises(NotImplementedError, match="fp8 and int8 only in transformers' .E, 2I, H. / .E, H, I. layout"):
         call(jnp.swapaxes(gu, 1, 2), jnp.swapaxes(dn, 1, 2), gate_up_scale=gus, down_scale=dns, is_transposed=True)
     with pytest.raises(ValueError, match=r"down_scale must have 2 dimensions, got shape \(4, 2, 1\)"):
         call(gu.astype(jnp.int8), dn.astype(jnp.int8), gate_up_scale=jnp.zeros((e, 2 * i)), down_scale=dns)
@@ -259,25 +261,96 @@ def gpt_oss_reference(x, idx, w, gate_up, gu_bias, down, dn_bias, dtype, alpha=1
     return out
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_mxfp4_gpt_oss_experts_match_dequantized_reference(load_kernel, dtype):
-    """MXFP4 blocks/scales as GPT-OSS stores them (H = 96 and I = 64: off the 128 grid), an expert with no
-    tokens, 11 tokens, a sentinel: the two-kernel path against NumPy's table-lookup dequantization."""
+@pytest.mark.parametrize("dtype,stored", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
+def test_mxfp4_gpt_oss_experts_match_dequantized_reference(load_kernel, dtype, stored):
+    """MXFP4 blocks/scales as GPT-OSS's checkpoint holds them, or (``stored``) as from_pretrained_mxfp4 stores
+    them ([E, in/2, out], scale rows padded to 32; is_transposed). H = 288 (144 packed rows: one 128-row decode
+    chunk and a tail) and I = 64, off the 128 grid; an expert with no tokens, 11 tokens, a sentinel: the
+    two-kernel path against NumPy's table-lookup dequantization."""
+    import torch
+
+    from pallas_hub.hub.quantized import mxfp4_kernel_layout
+
     k = load_kernel("ragged_dot")
     rng = np.random.default_rng(10)
-    e, h, i, t = 4, 96, 64, 11
+    e, h, i, t = 4, 288, 64, 11
     gate_up = rng.standard_normal((e, 2 * i, h)).astype(np.float32) * 0.3
     down = rng.standard_normal((e, h, i)).astype(np.float32) * 0.3
     (gub, gus), (dnb, dns) = quantize_mxfp4(gate_up), quantize_mxfp4(down)
     gu_bias, dn_bias = (rng.standard_normal(s).astype(np.float32) * 0.1 for s in ((e, 2 * i), (e, h)))
     idx, w = routing(t, e, 2, empty={2}, seed=11)
     x = rng.standard_normal((t, h)).astype(np.float32)
+    weights = [gub, dnb, gus, dns]
+    if stored:
+        (gu_k, gus_k), (dn_k, dns_k) = (mxfp4_kernel_layout(torch.from_numpy(b), torch.from_numpy(s_))
+                                        for b, s_ in ((gub, gus), (dnb, dns)))
+        weights = [a.numpy() for a in (gu_k, dn_k, gus_k, dns_k)]
+        assert weights[2].shape == (e, 32, 2 * i) and weights[0].shape == (e, h // 2, 2 * i)
+    gu_arg, dn_arg, gus_arg, dns_arg = (jnp.asarray(a) for a in weights)
     with interpret("fast"):
-        out = k.experts.experts(jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(w, dtype), jnp.asarray(gub),
-                                jnp.asarray(dnb), jnp.asarray(gu_bias, dtype), jnp.asarray(dn_bias, dtype),
-                                activation="swiglu_oai", interleaved=True, gate_up_scale=jnp.asarray(gus),
-                                down_scale=jnp.asarray(dns))
+        out = jax.jit(functools.partial(k.experts.experts, activation="swiglu_oai", interleaved=True,
+                                        is_transposed=stored))(
+            jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(w, dtype), gu_arg, dn_arg,
+            jnp.asarray(gu_bias, dtype), jnp.asarray(dn_bias, dtype), gate_up_scale=gus_arg, down_scale=dns_arg)
     ref = gpt_oss_reference(x, idx, np.asarray(jnp.asarray(w, dtype).astype(jnp.float32)), dequantize_mxfp4(gub, gus),
                             gu_bias, dequantize_mxfp4(dnb, dns), dn_bias, dtype)
     tol = 2e-5 if dtype == "float32" else 2e-2
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=tol, atol=tol * np.abs(ref).max())
+
+
+def _decode_mxfp4(k, blocks, scales, dtype):
+    """The kernel's MXFP4 decode of one [k/2, n] block (interpret mode): (even-input rows, odd-input rows)."""
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    P = k.pallas
+    kh, n = blocks.shape
+    lo_hi = jax.ShapeDtypeStruct((kh, n), dtype)
+
+    def kernel(w_ref, s_ref, lo_ref, hi_ref, s_scr):
+        P._dequantize_mxfp4(lo_ref, hi_ref, w_ref, s_ref, s_scr)
+
+    with interpret("fast"):
+        return pl.pallas_call(kernel, out_shape=(lo_hi, lo_hi),
+                              scratch_shapes=[pltpu.VMEM((P._round_up(scales.shape[0], 8), n), jnp.float32)])(
+            jnp.asarray(blocks), jnp.asarray(scales))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mxfp4_decode_every_code_and_extreme_scales(load_kernel, dtype):
+    """Every byte (all 16 x 16 e2m1 code pairs) under e8m0 scales from 0 to 254 (2^-127 .. 2^127: zero,
+    subnormal and overflowing products included), against transformers' convert_moe_packed_tensors.
+    Products below the normal range may flush to zero (TPU has no subnormals); 2^127 x 4 and x 6 are inf.
+    K/2 = 400 byte rows: three 128-row chunks and a 16-row tail; padded scale rows are ignored."""
+    import torch
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    k = load_kernel("ragged_dot")
+    scale_values = np.array([0, 1, 2, 3, 100, 126, 127, 128, 200, 252, 253, 254], np.uint8)
+    kh, n = 400, 300  # byte rows (25 scale rows), columns (not a multiple of 128)
+    rng = np.random.default_rng(5)
+    blocks = np.arange(kh * n, dtype=np.int64).reshape(kh, n) % 256  # every byte value in every column phase
+    blocks = ((blocks + rng.integers(0, 256, (1, n))) % 256).astype(np.uint8)
+    scales = scale_values[np.arange(25 * n).reshape(25, n) % len(scale_values)]
+    padded = np.concatenate([scales, np.full((7, n), 255, np.uint8)])  # padding rows (255: NaN if used)
+    lo, hi = (np.asarray(a, np.float32) for a in _decode_mxfp4(k, blocks, padded, getattr(jnp, dtype)))
+    # transformers: blocks [out, in/32, 16], scales [out, in/32] -> [in, out] (dequantized inputs along dim 0)
+    tdt = getattr(torch, dtype)
+    theirs = convert_moe_packed_tensors(torch.from_numpy(blocks.T.reshape(n, 25, 16).copy())[None],
+                                        torch.from_numpy(scales.T.copy())[None], dtype=tdt)[0].float().numpy()
+    theirs = theirs.reshape(n, kh, 2) if theirs.shape[0] == n else theirs.T.reshape(n, kh, 2)
+    zero_scale = np.repeat(scales, 16, 0) == 0
+    for ours, ref in ((lo, theirs[:, :, 0].T), (hi, theirs[:, :, 1].T)):
+        # s = 0 (2^-127, not a normal f32) decodes to 0; so do products below the normal range (TPU flushes them)
+        flushed = zero_scale | (np.abs(ref) < np.finfo(np.float32).tiny)
+        np.testing.assert_array_equal(ours[~flushed], ref[~flushed])
+        assert np.all((ours[flushed] == 0) | (ours[flushed] == ref[flushed])) and np.abs(ref[flushed]).max() < 2e-37
+        assert np.isinf(ours).sum() == np.isinf(ref).sum() > 0 and not np.isnan(ours).any()
+        assert np.all(np.signbit(ours) == np.signbit(ref))  # -0 included
+    # an independent table: nibble values times 2^(s - 127) (every product exact in f64)
+    vals = FP4[np.stack([blocks & 15, blocks >> 4])] * np.exp2(np.repeat(scales, 16, 0).astype(np.float64) - 127)
+    with np.errstate(over="ignore"):
+        vals = vals.astype(np.float32).astype(np.dtype(getattr(ml_dtypes, dtype, dtype))).astype(np.float32)
+    ok = (np.abs(vals) >= np.finfo(np.float32).tiny) & ~zero_scale
+    np.testing.assert_array_equal(np.stack([lo, hi])[ok], vals[ok])
+    assert (np.stack([lo, hi])[~ok] == 0).all()

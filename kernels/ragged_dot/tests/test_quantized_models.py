@@ -228,10 +228,14 @@ def test_mxfp4_gpt_oss_matches_transformers_dequantized(registered, tmp_path):
         ref = M.from_pretrained(path, dtype=torch.float32, experts_implementation="eager",
                                 quantization_config=T.Mxfp4Config(dequantize=True)).eval()
         ours = from_pretrained_mxfp4(M, path, dtype=torch.float32, experts_implementation="tokamax_ragged_dot").eval()
-        experts = [m for m in ours.modules() if hasattr(m, "gate_up_proj_blocks")]
-        assert len(experts) == 2 and torch.equal(experts[0].gate_up_proj_blocks,
-                                                 tensors["model.layers.0.mlp.experts.gate_up_proj_blocks"])
-        assert torch.equal(experts[1].down_proj_scales, tensors["model.layers.1.mlp.experts.down_proj_scales"])
+        # stored in the kernel's layout: blocks [E, in/2, out], scales [E, in/32 padded to 32 rows, out]
+        experts = [m for m in ours.modules() if hasattr(m, "gate_up_proj_scales")]
+        assert len(experts) == 2 and all(m.is_transposed and not hasattr(m, "gate_up_proj_blocks") for m in experts)
+        blocks = tensors["model.layers.0.mlp.experts.gate_up_proj_blocks"]
+        assert torch.equal(experts[0].gate_up_proj, blocks.flatten(2).transpose(1, 2))
+        scales = tensors["model.layers.1.mlp.experts.down_proj_scales"]  # [E, H, I/32]
+        assert experts[1].down_proj_scales.shape[1] % 32 == 0
+        assert torch.equal(experts[1].down_proj_scales[:, :scales.shape[2]], scales.transpose(1, 2))
         CALLS.clear()
         truth, got = ref(input_ids=ids).logits, ours(input_ids=ids).logits
         assert CALLS == ["PackedMxfp4GptOssExperts"] * 2, CALLS

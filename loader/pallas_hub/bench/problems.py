@@ -14,8 +14,9 @@ Three layers (DESIGN.md "Shapes that matter"):
 A problem's ``format`` is how its big operand is stored: "bf16", or quantized (``QUANT_FORMATS``):
 the experts' weights as checkpoints store them (fp8 e4m3 with f32 scales per 128 x 128 block, the
 FP8 checkpoints' ``*_scale_inv``; int8 with f32 per-output-channel scales; GPT-OSS's MXFP4, uint8
-packed pairs with e8m0 scales per 32 inputs, gate_up's rows interleaved gate, up, gate, ... as
-GPT-OSS stores them), their scales appended to the arguments; or the KV
+packed pairs with e8m0 scales per 32 inputs, gate_up's columns interleaved gate, up, gate, ... as
+GPT-OSS stores them, in the layout ``from_pretrained_mxfp4`` stores: [E, in/2, out] and [E, in/32
+padded to 32 rows, out]), their scales appended to the arguments; or the KV
 cache (fp8 e4m3 or int8 with f32 scales per KV head, ``k_scale, v_scale`` appended). Only
 implementations that declare the format race it.
 
@@ -34,6 +35,7 @@ from typing import Any, Callable
 from .. import verify  # noqa: F401  (CPU-only JAX set-up before jax loads)
 
 import jax  # noqa: E402
+from ..hub.quantized import mxfp4_scale_rows  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -126,7 +128,8 @@ def moe_reference(x, ids, weights, gate_up, down):
 QUANT_FORMATS = {  # format -> what the weights (moe) or the KV cache (decode) hold
     "fp8": "float8_e4m3fn, f32 scales per 128 x 128 block (moe) or per KV head (decode)",
     "int8": "int8, f32 scales per output channel (moe) or per KV head (decode)",
-    "mxfp4": "uint8 packed e2m1 pairs, uint8 e8m0 scales per 32 inputs (moe only)",
+    "mxfp4": "uint8 packed e2m1 pairs [E, in/2, out], uint8 e8m0 scales per 32 inputs [E, in/32 padded, out] "
+             "(moe only; as from_pretrained_mxfp4 stores them)",
 }
 FP8_BLOCK = 128
 _FP4 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
@@ -140,12 +143,22 @@ def quantized_weight(fmt: str, e: int, out: int, inp: int) -> tuple:
     if fmt == "int8":
         return sds((e, out, inp), jnp.int8), sds((e, out), jnp.float32)
     if fmt == "mxfp4":
-        return sds((e, out, inp // 2), jnp.uint8), sds((e, out, inp // 32), jnp.uint8)
+        return sds((e, inp // 2, out), jnp.uint8), sds((e, mxfp4_scale_rows(inp), out), jnp.uint8)
     raise ValueError(f"unknown format {fmt!r}: one of {sorted(QUANT_FORMATS)}")
 
 
+def mxfp4_stored(w, scale):
+    """MXFP4 blocks [E, out, in/2] and scales [E, out, in/32] (the checkpoint's) in the layout of
+    ``quantized_weight`` (``from_pretrained_mxfp4``'s: hub.quantized.mxfp4_kernel_layout)."""
+    w, scale = np.asarray(w), np.asarray(scale)
+    pad = mxfp4_scale_rows(scale.shape[2] * 32) - scale.shape[2]
+    return (jnp.asarray(np.swapaxes(w, 1, 2)),
+            jnp.asarray(np.pad(np.swapaxes(scale, 1, 2), ((0, 0), (0, pad), (0, 0)), constant_values=127)))
+
+
 def dequantize_weight(fmt: str, w, scale):
-    """Plain f32 [E, out, inp] of a quantized expert weight (the reference's own decoding)."""
+    """Plain f32 [E, out, inp] of a quantized expert weight in the checkpoint's layout (MXFP4: [E, out, in/2] and
+    [E, out, in/32]; the reference's own decoding)."""
     if fmt == "fp8":
         full = jnp.repeat(jnp.repeat(scale, FP8_BLOCK, axis=1), FP8_BLOCK, axis=2)[:, :w.shape[1], :w.shape[2]]
         return w.astype(jnp.float32) * full
@@ -168,7 +181,7 @@ def _random_quantized(fmt: str, rng, e: int, out: int, inp: int) -> tuple:
     if fmt == "int8":
         w = jnp.asarray(rng.integers(-127, 128, (e, out, inp)), jnp.int8)
         return w, jnp.asarray(rng.uniform(0.5, 1.5, (e, out)) / (64 * math.sqrt(inp)), jnp.float32)
-    w = jnp.asarray(rng.integers(0, 256, (e, out, inp // 2)), jnp.uint8)
+    w = jnp.asarray(rng.integers(0, 256, (e, out, inp // 2)), jnp.uint8)  # the checkpoint's layout
     s = rng.integers(127 - 2, 127 + 1, (e, out, inp // 32)) - round(math.log2(math.sqrt(inp)))
     return w, jnp.asarray(s, jnp.uint8)
 
@@ -185,11 +198,12 @@ def _moe_check(tokens: int, fmt: str = "bf16") -> Check:
         reference = moe_reference(*args)
     else:
         (gate_up, gu_s), (down, dn_s) = _random_quantized(fmt, rng, e, 2 * i, h), _random_quantized(fmt, rng, e, h, i)
-        args, scales = (x, jnp.asarray(ids), jnp.asarray(w), gate_up, down), (gu_s, dn_s)
-        gu = dequantize_weight(fmt, gate_up, gu_s)
+        gu, dn = dequantize_weight(fmt, gate_up, gu_s), dequantize_weight(fmt, down, dn_s)
         if fmt == "mxfp4":  # GPT-OSS stores gate and up interleaved (rows gate, up, gate, ...)
             gu = jnp.concatenate([gu[:, 0::2], gu[:, 1::2]], axis=1)
-        reference = moe_reference(*args[:3], gu, dequantize_weight(fmt, down, dn_s))
+            (gate_up, gu_s), (down, dn_s) = mxfp4_stored(gate_up, gu_s), mxfp4_stored(down, dn_s)
+        args, scales = (x, jnp.asarray(ids), jnp.asarray(w), gate_up, down), (gu_s, dn_s)
+        reference = moe_reference(*args[:3], gu, dn)
     return Check(args + (jnp.asarray(logits),) + scales, {"top_k": top_k}, reference,
                  f"{tokens} tokens x top-{top_k} of {e} experts, hidden {h}, intermediate {i}"
                  + ("" if fmt == "bf16" else f", {fmt} weights"), 2e-2)

@@ -18,8 +18,9 @@ The families' calling conventions (``chip`` is the TPU generation being modelled
              token's K/V at ``lengths - 1``, then attend over ``[0, lengths)``; the caches are donated)
     Quantized problems (``BenchImpl.formats``; pallas_hub.bench.problems.QUANT_FORMATS) append the scales:
     moe ``gate_up_scale, down_scale`` after ``logits`` (the weights as checkpoints store them: fp8 e4m3
-    with f32 [E, out/128, in/128] block scales, int8 with f32 [E, out], MXFP4 uint8 [E, out, in/2] with
-    uint8 e8m0 [E, out, in/32], gate_up's rows interleaved gate, up, ... as GPT-OSS stores them); decode
+    with f32 [E, out/128, in/128] block scales, int8 with f32 [E, out]; MXFP4 as from_pretrained_mxfp4 stores
+    it, uint8 [E, in/2, out] with uint8 e8m0 [E, in/32 padded to 32 rows, out], gate_up's columns interleaved
+    gate, up, ... as GPT-OSS's are); decode
     ``k_scale, v_scale`` (f32 [Hkv]) after ``table``, the caches in fp8 e4m3 or int8.
 ``kernels/<key>/demo_check.py`` (``pallas-hub demo``)
     ``check(kernel, out=print) -> list[tuple[str, bool]]``: the kernel fetched from the local hub against

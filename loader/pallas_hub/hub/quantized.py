@@ -85,12 +85,37 @@ def from_pretrained_fp8(model_class, path, **kwargs):
 
 # --------------------------------------------------------------------------- MXFP4 (GPT-OSS)
 
+MXFP4_SCALE_ROW_MULTIPLE = 32  # scale rows padded to a multiple of the uint8 sublane tile
+
+
+def mxfp4_scale_rows(inp: int) -> int:
+    """Rows of the stored [E, rows, out] e8m0 scales of an MXFP4 weight with ``inp`` inputs (in/32, padded)."""
+    return -(-inp // 32 // MXFP4_SCALE_ROW_MULTIPLE) * MXFP4_SCALE_ROW_MULTIPLE
+
+
+def mxfp4_kernel_layout(blocks, scales):
+    """The checkpoint's MXFP4 weight, blocks [E, out, in/32, 16] (or [E, out, in/2]) and scales [E, out, in/32]
+    (torch tensors), in the layout the ragged-dot kernel reads: blocks [E, in/2, out] and scales
+    [E, mxfp4_scale_rows(in), out] (padding rows 127, unused), contiguous. XLA:TPU lays out the checkpoint's
+    [E, out, in/2] with ``in/2`` major when ``in/2`` is off the 128-lane grid (GPT-OSS: 1440) and its
+    [E, out, in/32] scales with ``in/32`` outermost; the kernel needs row-major operands, so each call would copy
+    both. These shapes are row-major as stored (checked for GPT-OSS-20B on v5e, v6e, TPU7x), so no call copies."""
+    import torch
+
+    e, out = scales.shape[:2]
+    pad = mxfp4_scale_rows(scales.shape[2] * 32) - scales.shape[2]
+    return (blocks.reshape(e, out, -1).transpose(1, 2).contiguous(),
+            torch.nn.functional.pad(scales.transpose(1, 2), (0, 0, 0, pad), value=127).contiguous())
+
+
 def _packed_mxfp4_experts_class():
     """GPT-OSS experts holding the checkpoint's MXFP4 tensors as stored (parameter names = checkpoint keys,
     so they load 1:1): ``*_blocks`` uint8 [E, out, in/32, 16] (two e2m1 values per byte, low nibble first),
-    ``*_scales`` uint8 e8m0 [E, out, in/32], and the biases. transformers' ``Mxfp4GptOssExperts`` holds the same
-    but is not dispatched through ``ALL_EXPERTS_FUNCTIONS`` (its forward is the CUDA Triton kernel); this class
-    is, so ``experts_implementation="tokamax_ragged_dot"`` runs it."""
+    ``*_scales`` uint8 e8m0 [E, out, in/32], and the biases. After loading, ``to_kernel_layout`` replaces the
+    blocks and scales by ``gate_up_proj`` / ``down_proj`` uint8 [E, in/2, out] and ``*_scales`` [E, in/32 padded,
+    out] (``mxfp4_kernel_layout``; ``is_transposed``). transformers' ``Mxfp4GptOssExperts`` holds the checkpoint's
+    tensors but is not dispatched through ``ALL_EXPERTS_FUNCTIONS`` (its forward is the CUDA Triton kernel); this
+    class is, so ``experts_implementation="tokamax_ragged_dot"`` runs it."""
     import torch
     from transformers.integrations.moe import use_experts_implementation
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
@@ -111,6 +136,15 @@ def _packed_mxfp4_experts_class():
             self.down_proj_blocks, self.down_proj_scales = u8(e, h, i // 32, 16), u8(e, h, i // 32)
             self.down_proj_bias = torch.nn.Parameter(torch.zeros(e, h))
             self.alpha, self.limit = config.swiglu_alpha, config.swiglu_limit
+
+        def to_kernel_layout(self):
+            """Once, after loading: the checkpoint's blocks and scales -> the kernel's layout (see the class)."""
+            for name in ("gate_up_proj", "down_proj"):
+                blocks, scales = mxfp4_kernel_layout(getattr(self, name + "_blocks"), getattr(self, name + "_scales"))
+                delattr(self, name + "_blocks")
+                setattr(self, name, torch.nn.Parameter(blocks, requires_grad=False))
+                setattr(self, name + "_scales", torch.nn.Parameter(scales, requires_grad=False))
+            self.is_transposed = True
 
         def forward(self, hidden_states, top_k_index, top_k_weights):  # "eager": there is none for packed weights
             raise NotImplementedError("PackedMxfp4GptOssExperts runs through an experts_implementation that reads "
@@ -154,6 +188,9 @@ def _keep_mxfp4_quantizer():
             return {}
 
         def _process_model_after_weight_loading(self, model, **kwargs):
+            for module in model.modules():
+                if isinstance(module, packed):
+                    module.to_kernel_layout()
             return model
 
     return KeepMxfp4Quantizer
@@ -161,7 +198,8 @@ def _keep_mxfp4_quantizer():
 
 def from_pretrained_mxfp4(model_class, path, **kwargs):
     """``model_class.from_pretrained(path, **kwargs)`` for an MXFP4 GPT-OSS checkpoint with the experts' blocks and
-    scales kept as stored (``PackedMxfp4GptOssExperts``; select ``experts_implementation="tokamax_ragged_dot"``).
+    scales kept quantized (``PackedMxfp4GptOssExperts``, in the kernel's layout: ``mxfp4_kernel_layout``; select
+    ``experts_implementation="tokamax_ragged_dot"``).
     transformers 5.24 otherwise dequantizes them on any host without CUDA/XPU Triton kernels (and needs
     accelerate). Needs no accelerate and no GPU."""
     from unittest import mock

@@ -47,9 +47,9 @@ def validate_scales(gate_up_proj, down_proj, gate_up_scale, down_scale, is_trans
     if not quantized:
         return
     wdt = dtype_name(gate_up_proj)
-    if is_transposed or (interleaved and wdt != "uint8"):
-        raise NotImplementedError("quantized experts: only transformers' [E, 2I, H] / [E, H, I] layout "
-                                  "(is_transposed=False), with concatenated [gate; up] for fp8 and int8")
+    if wdt != "uint8" and (is_transposed or interleaved):
+        raise NotImplementedError("quantized experts: fp8 and int8 only in transformers' [E, 2I, H] / [E, H, I] "
+                                  "layout (is_transposed=False) with concatenated [gate; up]")
     if wdt == "float8_e4m3fn" and block_size != pallas.FP8_BLOCK:
         raise ValueError(f"block_size must be {pallas.FP8_BLOCK} (128x128 blocks, the layout of Qwen3-FP8 and "
                          f"DeepSeek-V3 checkpoints), got {block_size}")
@@ -60,12 +60,17 @@ def validate_scales(gate_up_proj, down_proj, gate_up_scale, down_scale, is_trans
     if wdt == "float8_e4m3fn":  # gate_up: of the concatenated tensor, or gate and up quantized apart
         gu_shapes = {(e, cdiv(i2), cdiv(h)), (e, max(2 * cdiv(i), 2), cdiv(h))}
         dn_shapes = {(e, cdiv(h), cdiv(i))}
-    elif wdt == "uint8":  # MXFP4: h and i are the packed widths (2 values per byte), 16 bytes per scale
-        if h % 16 or i % 16:
+    elif wdt == "uint8":  # MXFP4: packed input widths (2 values per byte), 16 bytes per scale
+        gu_in, dn_in = (gate_up_proj.shape[1], down_proj.shape[1]) if is_transposed else (h, i)
+        if gu_in % 16 or dn_in % 16:
             raise ValueError(f"MXFP4 weights need whole 32-value blocks: gate_up_proj {tuple(gate_up_proj.shape)} "
                              f"and down_proj {tuple(down_proj.shape)} must have packed input widths that are "
                              "multiples of 16 bytes")
-        gu_shapes, dn_shapes = {(e, i2, h // 16)}, {(e, down_proj.shape[1], i // 16)}
+        if is_transposed:  # [E, in/32, out], or with the rows padded to a multiple of 32 (from_pretrained_mxfp4)
+            gu_shapes, dn_shapes = ({(e, r, w.shape[2]) for r in (n // 16, pallas._round_up(n // 16, 32))}
+                                    for w, n in ((gate_up_proj, gu_in), (down_proj, dn_in)))
+        else:
+            gu_shapes, dn_shapes = {(e, i2, h // 16)}, {(e, down_proj.shape[1], i // 16)}
     else:
         gu_shapes, dn_shapes = {(e, i2)}, {(e, h)}
     scale_dtype = "uint8" if wdt == "uint8" else "float32"
@@ -102,9 +107,9 @@ def validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
     e = gate_up_proj.shape[0]
     pack = 2 if dtype_name(gate_up_proj) == "uint8" else 1  # MXFP4: two inputs per byte
     # [E, 2I, H] / [E, H, I] (transformers' default), or [E, H, 2I] / [E, I, H] when is_transposed
-    gu_in, gu_out = (gate_up_proj.shape[1], gate_up_proj.shape[2]) if is_transposed else \
+    gu_in, gu_out = (gate_up_proj.shape[1] * pack, gate_up_proj.shape[2]) if is_transposed else \
         (gate_up_proj.shape[2] * pack, gate_up_proj.shape[1])
-    dn_in, dn_out = (down_proj.shape[1], down_proj.shape[2]) if is_transposed else \
+    dn_in, dn_out = (down_proj.shape[1] * pack, down_proj.shape[2]) if is_transposed else \
         (down_proj.shape[2] * pack, down_proj.shape[1])
     if gu_in != h or dn_out != h:
         raise ValueError(f"hidden size mismatch: hidden_states has {h}, gate_up_proj {tuple(gate_up_proj.shape)} "
@@ -142,7 +147,11 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
     float8_e4m3fn with f32 ``*_scale`` = transformers' ``*_scale_inv`` per ``block_size`` (128) x 128
     block, [E, ceil(out/128), ceil(in/128)]; int8 with f32 per-output-channel scales [E, out].
     MXFP4 (GPT-OSS) as uint8: weights [E, 2I, H/2] / [E, H, I/2] (the checkpoint's ``*_blocks`` with
-    the last two dims merged), uint8 e8m0 scales [E, 2I, H/32] / [E, H, I/32] (``*_scales``).
+    the last two dims merged), uint8 e8m0 scales [E, 2I, H/32] / [E, H, I/32] (``*_scales``); or, with
+    ``is_transposed``, the layout the kernel reads: [E, H/2, 2I] / [E, I/2, H] with scales [E, H/32, 2I] /
+    [E, I/32, H], their rows optionally padded to a multiple of 32 (how ``from_pretrained_mxfp4`` stores
+    them: XLA:TPU keeps these row-major, so no call copies them; the checkpoint's layout is transposed
+    per call, or bitcast where XLA's layout already has it so).
     They are dequantized in VMEM (w * scale, rounded to hidden_states' dtype, as transformers'
     dequantizing load does) and the matmuls run in hidden_states' dtype.
     """
@@ -162,6 +171,10 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=e + 1)[:e].astype(jnp.int32)
     x = hidden_states.astype(wdt)[order // k]
+    if quantized and pallas.is_mxfp4(gate_up_proj) and not is_transposed:  # the kernel reads [E, in/2, out]
+        gate_up_proj, down_proj, gate_up_scale, down_scale = (
+            jnp.swapaxes(a, 1, 2) for a in (gate_up_proj, down_proj, gate_up_scale, down_scale))
+        is_transposed = True
     transposed = not is_transposed  # transformers' [E, out, in] is our rhs_transposed layout
     if implementation == "tokamax":
         from . import tokamax_anchor
@@ -274,11 +287,11 @@ def fp8_scales(module) -> tuple[torch.Tensor, torch.Tensor, int]:
 
 def expert_weights(module):
     """(gate_up, down, gate_up_scale, down_scale, block size) the op takes from a transformers experts module:
-    plain weights; FP8Experts' e4m3 weights and ``*_scale_inv``; MXFP4 ``*_blocks`` (last two dims merged, a
-    view) and ``*_scales`` (pallas_hub's PackedMxfp4GptOssExperts)."""
-    if hasattr(module, "gate_up_proj_blocks"):
-        return (module.gate_up_proj_blocks.flatten(2), module.down_proj_blocks.flatten(2), module.gate_up_proj_scales,
-                module.down_proj_scales, pallas.FP8_BLOCK)
+    plain weights; FP8Experts' e4m3 weights and ``*_scale_inv``; MXFP4 uint8 weights and ``*_scales``
+    (pallas_hub's PackedMxfp4GptOssExperts: [E, in/2, out] and [E, in/32 padded, out], ``is_transposed``)."""
+    if hasattr(module, "gate_up_proj_scales"):
+        return (module.gate_up_proj, module.down_proj, module.gate_up_proj_scales, module.down_proj_scales,
+                pallas.FP8_BLOCK)
     if is_fp8_experts(module):
         return (module.gate_up_proj, module.down_proj) + fp8_scales(module)
     return module.gate_up_proj, module.down_proj, None, None, pallas.FP8_BLOCK

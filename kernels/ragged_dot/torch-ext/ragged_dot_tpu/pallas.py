@@ -45,7 +45,8 @@ QUANT_DTYPES = {
     "float8_e4m3fn": "float32 scale_inv per 128x128 block, [E, ceil(out/128), ceil(in/128)] (transformers' FP8)",
     "int8": "float32 scale per output channel, [E, out]",
     "uint8": "MXFP4 (GPT-OSS): weights are e2m1 pairs [E, out, in/2] (low nibble first), scales uint8 e8m0 "
-             "per 32 inputs [E, out, in/32]",
+             "per 32 inputs [E, out, in/32]; or [E, in/2, out] and [E, in/32 (rows padded up to a multiple "
+             "of 32 allowed), out] with is_transposed",
 }
 FP8_BLOCK = 128
 
@@ -216,26 +217,55 @@ def is_mxfp4(w) -> bool:
     return jnp.dtype(w.dtype) == jnp.uint8
 
 
-def _e2m1(code):
-    """e2m1 codes (int32 0..15: sign, 2 exponent bits, 1 mantissa bit) -> f32 (0, 0.5, 1, 1.5, 2, 3, 4, 6)."""
-    e, m = (code >> 1) & 3, (code & 1).astype(jnp.float32)
-    mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * jnp.where(e == 1, 1.0, jnp.where(e == 2, 2.0, 4.0)))
-    return jnp.where(code >= 8, -mag, mag)
+_E2M1_FIELDS = ((7, 22, 8, 28), (0x70, 18, 0x80, 24))  # low / high nibble: (magnitude mask, shift, sign mask, shift)
 
 
-def _dequantize_mxfp4(lo_ref, hi_ref, w_ref, s_ref, step: int = 256):
-    """lo = even inputs, hi = odd inputs of MXFP4 weights (w_ref [rows, k/2] uint8, s_ref [rows, k/32]
-    uint8 e8m0): decoded on int32 (8-bit shifts do not lower on TPU), scaled by 2^(s - 127) built
-    from its exponent bits, in dst's dtype. Splitting by parity keeps lanes in place (no interleave);
-    the kernel multiplies them with the lhs's even and odd columns."""
-    rows_total, half = w_ref.shape
-    for r in range(0, rows_total, step):
-        rows = min(step, rows_total - r)
-        b = w_ref[r:r + rows, :].astype(jnp.int32)
-        scale = lax.bitcast_convert_type(s_ref[r:r + rows, :].astype(jnp.int32) << 23, jnp.float32)
-        scale = jnp.broadcast_to(scale[:, :, None], (rows, half // 16, 16)).reshape(rows, half)
-        lo_ref[r:r + rows, :] = (_e2m1(b & 15) * scale).astype(lo_ref.dtype)
-        hi_ref[r:r + rows, :] = (_e2m1(b >> 4) * scale).astype(hi_ref.dtype)
+def _e2m1(b, nibble: int, scale):
+    """f32 value of the e2m1 code in the low (``nibble`` 0) or high (1) nibble of the bytes ``b`` (int32), times
+    ``scale`` (f32). From the bits, no selects: the code's 2 exponent and 1 mantissa bits go into an f32's
+    exponent and mantissa fields with bias 126, giving 2^(e-1) * (1 + m/2), exact for e > 0; for e = 0 that
+    gives 0.5 / 0.75 where e2m1 has 0 / 0.5, and min(v, 2v - 1) maps those and leaves every other value. The
+    sign bit is ORed in last. Every intermediate is a normal float (TPU flushes f32 subnormals)."""
+    mag_mask, mag_shift, sign_mask, sign_shift = _E2M1_FIELDS[nibble]
+    v = lax.bitcast_convert_type(((b & mag_mask) << mag_shift) + (126 << 23), jnp.float32)
+    v = jnp.minimum(v, v + v - 1.0) * scale
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(v, jnp.int32) | ((b & sign_mask) << sign_shift),
+                                    jnp.float32)
+
+
+MXFP4_SCALE_ROWS = 16  # packed weight rows (bytes: 32 inputs) per e8m0 scale row
+
+
+def _dequantize_mxfp4(lo_ref, hi_ref, w_ref, s_ref, s_scr, rows: int = 128, cols: int = 1024):
+    """MXFP4 weights of one block, [k/2, n] (w_ref uint8: byte row r holds inputs 2r, low nibble, and 2r + 1),
+    with uint8 e8m0 scales s_ref [>= k/32, n] (rows past k/32 are padding): lo = the even inputs' rows,
+    hi = the odd inputs', in lo_ref's dtype; the kernel multiplies them with the lhs's even and odd columns.
+
+    The scales become f32 2^(s - 127) (from the exponent bits; s = 0 gives 0, TPU has no subnormals) in
+    s_scr once; each scale row then covers 16 weight rows, a sublane broadcast. Bytes are decoded on int32
+    (8-bit shifts do not lower on TPU) in chunks of ``rows`` x ``cols`` (a loop over row chunks, so the
+    program stays small), keeping the f32 temporaries small."""
+    kh, n = w_ref.shape
+    sr = kh // MXFP4_SCALE_ROWS
+    s_scr[:sr, :] = lax.bitcast_convert_type(s_ref[:sr, :].astype(jnp.int32) << 23, jnp.float32)
+
+    def decode(r0, s0, nr):  # nr weight rows from r0 (a multiple of ``rows``, maybe traced); s0 = r0 / 16
+        for c0 in range(0, n, cols):
+            cw = min(cols, n - c0)
+            b = w_ref[pl.ds(r0, nr), pl.ds(c0, cw)].astype(jnp.int32)
+            s = s_scr[pl.ds(s0, nr // MXFP4_SCALE_ROWS), pl.ds(c0, cw)]
+            s = jnp.broadcast_to(s[:, None, :], (nr // MXFP4_SCALE_ROWS, MXFP4_SCALE_ROWS, cw)).reshape(nr, cw)
+            lo_ref[pl.ds(r0, nr), pl.ds(c0, cw)] = _e2m1(b, 0, s).astype(lo_ref.dtype)
+            hi_ref[pl.ds(r0, nr), pl.ds(c0, cw)] = _e2m1(b, 1, s).astype(hi_ref.dtype)
+
+    full = kh // rows
+    if full:
+        @pl.loop(0, full)
+        def _chunk(c):
+            decode(pl.multiple_of(c * rows, rows), pl.multiple_of(c * (rows // MXFP4_SCALE_ROWS), 8), rows)
+
+    if kh % rows:
+        decode(full * rows, full * rows // MXFP4_SCALE_ROWS, kh % rows)
 
 
 def per_channel(w) -> bool:
@@ -314,14 +344,15 @@ def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
     else:  # dequantize each new weight block once into VMEM scratch; the MXU sees the compute dtype
         kind, starts = quant
         channel = kind == "channel"
-        n_d = 2 * n_w if mxfp4 else n_w  # MXFP4: each weight dequantizes into even- and odd-input halves
+        # MXFP4: the weight dequantizes into even- and odd-input halves, plus its scales in f32
+        n_d = 3 if mxfp4 else n_w
         s_ref, out_ref, deq_refs = refs[-2 - n_d], refs[-1 - n_d], refs[-n_d:]
         j = pl.program_id(0)
 
         @pl.when(_new_weights(fetch_group, i))
         def _dequant():
             if mxfp4:
-                _dequantize_mxfp4(deq_refs[0], deq_refs[1], w_refs[0], s_ref)
+                _dequantize_mxfp4(deq_refs[0], deq_refs[1], w_refs[0], s_ref, deq_refs[2])
                 return
             for w, d, (b0, off) in zip(w_refs, deq_refs, starts):
                 # tn is a block multiple when there are several n tiles (no traced floor division:
@@ -329,7 +360,7 @@ def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
                 first_block = j * (tn // FP8_BLOCK) if tn % FP8_BLOCK == 0 else 0
                 _dequantize(d, w, None if channel else s_ref, block0=first_block + b0, row_off=off)
 
-        w_refs = deq_refs
+        w_refs = deq_refs[:2] if mxfp4 else deq_refs
         if channel:  # starts hold each weight's first output column: 0, and n for up
             col_scales = [lambda off=off: s_ref[pl.ds(jnp.minimum(grp, num_groups - 1), 1), pl.ds(j * tn + off, tn)]
                           for off, _ in starts]
@@ -369,8 +400,9 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
     alternate columns, GPT-OSS) and the output is n/2 wide: act(lhs @ gate) * (lhs @ up).
     ``bias`` [g, n] is added to the f32 accumulator first. ``rhs_scale``: rhs is quantized
     (``QUANT_DTYPES``, transposed; fp8 and int8 not interleaved) and is dequantized in VMEM to lhs's
-    dtype, once per weight block (HBM moves the quantized bytes and the scales only). MXFP4 rhs
-    [g, n, k/2] takes one weight block per step (plain, or interleaved gate/up).
+    dtype, once per weight block (HBM moves the quantized bytes and the scales only). MXFP4 (uint8) rhs is
+    [g, k/2, n] (not ``transposed``: byte row r holds inputs 2r and 2r + 1) with e8m0 scales [g, >= k/32, n],
+    one weight block per step (plain, or interleaved gate/up).
     No validation here: ``ragged_dot`` and the experts op validate their inputs.
     """
     m, k = lhs.shape
@@ -434,14 +466,17 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
     out_spec = pl.BlockSpec((tm, tn), lambda j, i, off, ig, it, fg, ft: (it[i], j))
     quant, scratch = None, []
     if rhs_scale is not None:
-        if not transposed or (interleaved and not mxfp4) or (mxfp4 and n_w != 1):
-            raise NotImplementedError("quantized weights: only the [g, n, k] layout, with [gate; up] halves "
-                                      "(fp8, int8) or one weight block per step (MXFP4)")
+        if transposed == mxfp4 or (interleaved and not mxfp4) or (mxfp4 and n_w != 1):
+            raise NotImplementedError("quantized weights: fp8 and int8 in the [g, n, k] layout with [gate; up] "
+                                      "halves, MXFP4 in the [g, k/2, n] layout with one weight block per step")
         channel = per_channel(rhs)
-        if mxfp4:  # e8m0 scales per 32 inputs: blocked like the weight rows
+        if mxfp4:  # e8m0 scales per 32 inputs, [g, >= k/32, n]: blocked like the weight columns
             starts = [(0, 0)]
-            scales = rhs_scale
-            in_specs.append(pl.BlockSpec(w_block[:2] + (rhs_scale.shape[2],), w_map(0)))
+            # kept in HBM: XLA would otherwise prefetch every expert's scales (they fit) into VMEM before the call
+            # (a constraint on traced values only: it has no eager form)
+            scales = pltpu.with_memory_space_constraint(rhs_scale, pltpu.HBM) \
+                if isinstance(rhs_scale, jax.core.Tracer) else rhs_scale
+            in_specs.append(pl.BlockSpec((None, rhs_scale.shape[1], wn), w_map(0)))
         elif channel:  # [g, n_full] whole in VMEM (a few MiB at most), the group's row read per tile
             starts = [(0, 0)] + ([(n, 0)] if n_w == 2 else [])
             need_cols = max(off + tiles_n * tn for off, _ in starts)
@@ -457,7 +492,9 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
             in_specs.append(pl.BlockSpec((None,) + scales.shape[1:], lambda j, i, off, ig, it, fg, ft: (fg[i], 0, 0)))
         quant = ("mxfp4" if mxfp4 else "channel" if channel else "block", tuple(starts))
         operands.append(scales)  # f32 (uint8 for MXFP4), validated by the experts op
-        scratch = [pltpu.VMEM((wn, kw), lhs.dtype) for _ in range(2 * n_w if mxfp4 else n_w)]
+        scratch = [pltpu.VMEM((kw, wn), lhs.dtype) for _ in range(2)] + [
+            pltpu.VMEM((_round_up(rhs_scale.shape[1], 8), wn), jnp.float32)] if mxfp4 else \
+            [pltpu.VMEM((wn, kw), lhs.dtype) for _ in range(n_w)]
 
     inb, outb = lhs.dtype.itemsize, out_dtype.itemsize
     if vmem_limit_bytes is None:
