@@ -289,27 +289,38 @@ def gate_up_scale_rows(scale_blocks: int, half: int, block_rows: int) -> tuple[i
 
 
 def _dequantize(dst_ref, w_ref, s_ref, *, block0=0, row_off: int = 0, step: int = 256):
-    """dst = w * scale (in dst's dtype), ``step`` weight rows at a time so the f32 temporaries stay small.
+    """dst = w * scale (in dst's dtype).
 
     w_ref [rows, k] quantized; s_ref [row blocks, col blocks] f32, the whole expert's 128x128 grid;
-    weight row r uses scale block row ``block0 + (row_off + r) // 128`` (block0 may be traced). The
-    scale grid is expanded by a 4-D broadcast (lanes and sublanes split on the block grid).
-    ``s_ref`` None (per-channel int8): a plain conversion, the scales apply to the output.
+    weight row r uses scale block row ``block0 + (row_off + r) // 128`` (block0 may be traced).
+    The weights go in pieces of at most 128 rows inside one scale block row by 256 columns (two scale
+    blocks, each scale broadcast from its lane; 128 at an unaligned end): the f32 temporaries stay in
+    registers. Expanding the whole scale grid over 256-row steps spilled it and the temporaries to VMEM,
+    and those stores, not the emulated fp8 conversion, bounded the work (the conversion is ~7 VPU ops
+    per f32 vreg; a decode from the bits that keeps subnormals and NaN exact needs more).
+    ``s_ref`` None (per-channel int8): a plain conversion, ``step`` rows at a time; the scales apply
+    to the output.
     """
-    bn = bk = FP8_BLOCK
     rows_total, k = w_ref.shape
-    for r in range(0, rows_total, step):
-        rows = min(step, rows_total - r)
-        if s_ref is None:
+    if s_ref is None:
+        for r in range(0, rows_total, step):
+            rows = min(step, rows_total - r)
             dst_ref[r:r + rows, :] = w_ref[r:r + rows, :].astype(dst_ref.dtype)
-            continue
-        kb = s_ref.shape[1]
-        first = row_off + r
-        nb = -(-(first % bn + rows) // bn)
-        s = s_ref[pl.ds(block0 + first // bn, nb), :]
-        full = jnp.broadcast_to(s[:, None, :, None], (nb, bn, kb, bk)).reshape(nb * bn, kb * bk)
-        full = full[first % bn:first % bn + rows, :k]
-        dst_ref[r:r + rows, :] = (w_ref[r:r + rows, :].astype(jnp.float32) * full).astype(dst_ref.dtype)
+        return
+    bn = FP8_BLOCK
+    r = 0
+    while r < rows_total:
+        rows = min(bn - (row_off + r) % bn, rows_total - r)  # to the end of this scale block row
+        s = s_ref[pl.ds(block0 + (row_off + r) // bn, 1), :]
+        c = 0
+        while c < k:
+            cols = 2 * bn if c + 2 * bn <= k else min(bn, k - c)
+            scale = jnp.concatenate([jnp.broadcast_to(s[:, b:b + 1], (rows, min(bn, cols)))
+                                     for b in range(c // bn, (c + cols + bn - 1) // bn)], axis=1)
+            dst_ref[r:r + rows, c:c + cols] = (w_ref[r:r + rows, c:c + cols].astype(jnp.float32)
+                                               * scale).astype(dst_ref.dtype)
+            c += cols
+        r += rows
 
 
 def _new_weights(fetch_group, i):
