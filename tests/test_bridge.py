@@ -48,10 +48,11 @@ def _passthrough(x: jax.Array, y: jax.Array) -> tuple[jax.Array, jax.Array]:
     return x, x  # JAX forwards the input buffer: torch must get two fresh, independent tensors
 
 
-gather_rows = bridge.jax_op(
-    "pallas_hub_test::gather_rows", _gather_rows,
-    fake=lambda x, idx: x.new_empty((idx.shape[0], x.shape[1])),
-)
+def _gather_rows_fake(x, idx):
+    return x.new_empty((idx.shape[0], x.shape[1]))
+
+
+gather_rows = bridge.jax_op("pallas_hub_test::gather_rows", _gather_rows, fake=_gather_rows_fake)
 passthrough = bridge.jax_op(
     "pallas_hub_test::passthrough", _passthrough, returns=tuple[torch.Tensor, torch.Tensor],
     fake=lambda x, y: (torch.empty_like(x), torch.empty_like(x)),
@@ -73,6 +74,22 @@ def test_outputs_never_alias_inputs_or_each_other():
     b.mul_(0.0)
     torch.testing.assert_close(x, keep)  # in-place writes to outputs leave the input intact
     torch.testing.assert_close(a, keep + 1.0)
+
+
+def test_registering_the_same_code_again_returns_the_registered_op():
+    assert bridge.jax_op("pallas_hub_test::gather_rows", _gather_rows, fake=_gather_rows_fake) is gather_rows
+
+    def _first_row(x: jax.Array) -> jax.Array:
+        return x[:1]
+
+    def _last_row(x: jax.Array) -> jax.Array:
+        return x[-1:]
+
+    first = bridge.jax_op("pallas_hub_test::edge_row", _first_row, fake=lambda x: x[:1].clone())
+    other = bridge.jax_op("pallas_hub_test::edge_row", _last_row, fake=lambda x: x[:1].clone())
+    assert other is not first  # different code under one name: the new definition wins, as in torch
+    x = torch.arange(6.0).reshape(3, 2)
+    torch.testing.assert_close(other(x), x[-1:])
 
 
 def test_unannotated_or_unsupported_parameters_are_refused():

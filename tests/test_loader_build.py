@@ -102,6 +102,25 @@ def test_building_twice_gives_identical_bytes_and_kernels_digest_validates(tmp_p
     assert len(ids) == 2  # one unique id (= sys.modules key and op namespace) per variant
 
 
+def test_the_same_build_imported_from_two_folders_shares_its_ops(tmp_path):
+    """A local build and its Hub download (two folders) define the same op names: the second import
+    must not re-register them, which leaves the first module's ops with a dangling dispatcher handle
+    (torch: "no schema registered" or a crash, seen in the suite when two tests loaded one kernel)."""
+    import gc
+
+    import torch
+
+    spec = manifest.load_kernel(FIXTURE)
+    first = build.load_built(build.build_kernel(spec, tmp_path / "a"))
+    second = build.load_built(build.build_kernel(spec, tmp_path / "b"))
+    assert first is not second and first.__file__ != second.__file__
+    assert first.scale_add is second.scale_add
+    del second
+    gc.collect()
+    x, y = torch.randn(5, 130), torch.randn(5, 130)
+    torch.testing.assert_close(first.scale_add(x, y, 0.5), x * 0.5 + y)
+
+
 # every kernel gets the shared modules it imports, byte for byte from pallas_hub/vendored/, and no others
 VENDORED = {
     "ragged_dot": {"_bridge.py", "_chips.py"},

@@ -310,6 +310,10 @@ def jax_op(
     """
     import jax
 
+    identity = _op_identity(returns, fn, fake, validate)
+    registered = _registered_op(qualname)
+    if identity is not None and getattr(registered, "_bridge_identity", None) == identity:
+        return registered
     sig, kinds = _signature(fn)
     static = tuple(n for n, k in kinds.items() if k == "static")
     if validate is not None:  # JAX callers (and the TPU path) get the same checks at trace time
@@ -364,7 +368,35 @@ def jax_op(
         op.register_kernel("privateuseone")(tpu_impl)  # PrivateUse1: the `tpu` device once torch_tpu brings it up
         op.tpu_op = launch  # torch_tpu's op (its own fake exports fn for TPU); tests check what it launches
     op.jax_fn = fn  # the JAX function, for benchmarks and AOT compilation
+    op._bridge_identity = identity
     return op
+
+
+def _op_identity(returns: Any, *functions: Callable | None) -> tuple | None:
+    """What makes two ``jax_op`` calls the same op: the same return annotation and the same code
+    (module, name, bytecode, constants) for fn, fake and validate; None (never the same) when one of
+    them is not a plain function (a partial, a closure: its captured values could differ)."""
+    key = [returns]
+    for f in functions:
+        code = getattr(f, "__code__", None)
+        if f is not None and (code is None or getattr(f, "__closure__", None)):
+            return None
+        key.append(None if f is None else (f.__module__, f.__qualname__, code.co_code, code.co_consts))
+    return tuple(key)
+
+
+def _registered_op(qualname: str):
+    """The live custom op already registered as ``qualname``, if any.
+
+    The same kernel build imported twice in one process (a local build and its Hub download, two
+    cache folders) defines the same ops: the namespace is the build's content digest. Registering a
+    name again makes torch destroy the first registration, and the op objects the first module
+    already handed out keep a dangling dispatcher handle: calling them fails with an internal assert
+    ("no schema registered") or crashes. So the second import gets the first's op, when the code is
+    the same (``_op_identity``)."""
+    from torch._library import custom_ops
+
+    return custom_ops.OPDEFS.get(qualname)
 
 
 # --------------------------------------------------------------------------- benchmarks
