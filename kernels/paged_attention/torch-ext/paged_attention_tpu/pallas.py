@@ -255,35 +255,24 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
         first_page = _div(kv_begin, page)
         end_page = jnp.minimum(_div(kv_end + page - 1, page), pps)
         num_chunks = _div(jnp.maximum(end_page - first_page, 0) + pages_per_block - 1, pages_per_block)
-        return dict(s=s, tile_start=tile_start, q_start=q_start, lo=lo, hi=hi, offset=offset, kv_end=kv_end,
+        return dict(tile_start=tile_start, q_start=q_start, lo=lo, hi=hi, offset=offset, kv_end=kv_end,
                     first_page=first_page, end_page=end_page, num_chunks=num_chunks)
 
     def table_copy(it, row):  # sequence of item it's page-table row -> table_smem[row]
         s = jnp.maximum(item_seq_ref[it], 0)
         return pltpu.make_async_copy(table_hbm.at[s], table_smem.at[row], table_sems.at[row])
 
-    def copies(it_plan, row, c, slot):
+    def each_page(method, it_plan, row, c, slot):
+        """``method`` ("start" or "wait") the K and V copies of chunk c's pages of an item into ``slot``."""
         for j in range(pages_per_block):
             p = it_plan["first_page"] + c * pages_per_block + j
             pid = jnp.clip(table_smem[row, jnp.clip(p, 0, pps - 1)], 0, num_pages - 1)
             rows_j = pl.ds(j * page * hkv, page * hkv)
-            yield (p < it_plan["end_page"],
-                   pltpu.make_async_copy(k_hbm.at[pid], kbuf.at[slot, rows_j], sems.at[0, slot]),
-                   pltpu.make_async_copy(v_hbm.at[pid], vbuf.at[slot, rows_j], sems.at[1, slot]))
 
-    def start(it_plan, row, c, slot):
-        for valid, ck, cv in copies(it_plan, row, c, slot):
-            @pl.when(valid)
+            @pl.when(p < it_plan["end_page"])
             def _():
-                ck.start()
-                cv.start()
-
-    def wait(it_plan, row, c, slot):
-        for valid, ck, cv in copies(it_plan, row, c, slot):
-            @pl.when(valid)
-            def _():
-                ck.wait()
-                cv.wait()
+                for src, dst, sem in ((k_hbm, kbuf, sems.at[0, slot]), (v_hbm, vbuf, sems.at[1, slot])):
+                    getattr(pltpu.make_async_copy(src.at[pid], dst.at[slot, rows_j], sem), method)()
 
     # State carried from item to item (the grid runs in order): which table_smem row holds this
     # item's page-table row, which K/V slot its first chunk goes to, and the item whose first chunk
@@ -302,7 +291,7 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
     @pl.when(seq >= 0)
     def _attend():
         me = plan(item)
-        s, tile_start, q_start, lo, hi = me["s"], me["tile_start"], me["q_start"], me["lo"], me["hi"]
+        tile_start, q_start, lo, hi = me["tile_start"], me["q_start"], me["lo"], me["hi"]
         offset, kv_end, first_page, num_chunks = me["offset"], me["kv_end"], me["first_page"], me["num_chunks"]
         row, base = state[ROW], state[SLOT]
         prefetched = state[PREFETCHED] == item
@@ -325,7 +314,7 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
 
         @pl.when(jnp.logical_not(prefetched) & (num_chunks > 0))
         def _():
-            start(me, row, 0, base)
+            each_page("start", me, row, 0, base)
 
         # Only the row blocks holding this item's rows are touched: a decode item in a tile shared by
         # many sequences costs its own rows, not the tile's. Row r of a block is (token, head in group).
@@ -376,9 +365,9 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
             @pl.when(jnp.logical_not(last) | has_next)
             def _():
                 target = {k: jnp.where(last, nxt_plan[k], me[k]) for k in ("first_page", "end_page")}
-                start(target, jnp.where(last, 1 - row, row), jnp.where(last, 0, c + 1), 1 - slot)
+                each_page("start", target, jnp.where(last, 1 - row, row), jnp.where(last, 0, c + 1), 1 - slot)
 
-            wait(me, row, c, slot)
+            each_page("wait", me, row, c, slot)
             chunk_start = (first_page + c * pages_per_block) * page
             itemsize = kbuf.dtype.itemsize
             k_pos = chunk_start + _token_order(hkv, itemsize, chunk, (1, chunk), 1)
