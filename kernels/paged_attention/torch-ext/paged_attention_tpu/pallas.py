@@ -60,6 +60,7 @@ MiB = 1 << 20
 # B=64 on v6e: 64 pages of 16 tokens per chunk beat 32 and 128; 16 pages of 128 tokens beat 8).
 MAX_PAGES_PER_CHUNK = 64
 KV_VMEM_BUDGET = 40 * MiB  # chunks shrink (halving) until the kernel's VMEM estimate fits
+SUB_BLOCK = 512  # keys scored at once: a chunk is computed up to its last sub-block holding keys the rows see
 
 
 # --------------------------------------------------------------------------- validation
@@ -239,6 +240,7 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
     hkv, rows, d = o_ref.shape
     pps = table_smem.shape[1]
     chunk = pages_per_block * page
+    sub = SUB_BLOCK if chunk % SUB_BLOCK == 0 else chunk  # keys per score block: a chunk's last is partly past the end
 
     def plan(it):
         """Item ``it``'s rows [lo, hi) of the packed queries and the pages [first_page, end_page) they see."""
@@ -370,20 +372,24 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
             each_page("wait", me, row, c, slot)
             chunk_start = (first_page + c * pages_per_block) * page
             itemsize = kbuf.dtype.itemsize
-            k_pos = chunk_start + _token_order(hkv, itemsize, chunk, (1, chunk), 1)
-            # Slots of pages past the end were not fetched: zero them so 0 * garbage cannot give NaN.
-            v_ok = chunk_start + _token_order(hkv, itemsize, chunk, (chunk, 1), 0) < kv_end
 
             def compute_block(size, j, carry):
                 r0, rs, _, tok, mine = block_rows(size, j)
-                ok = mine & am.allowed(offset + tok - q_start, k_pos, causal=True, window=window or None)
-                ok &= k_pos < kv_end
                 last_q = offset + jnp.minimum(tile_start + _div(r0 + size - 1, group), hi - 1) - q_start
+                # Keys past the end of the sequence (or past the block's causal diagonal) are never
+                # computed: the chunk goes through in sub-blocks, as many as hold keys the rows see.
+                seen = jnp.minimum(kv_end, last_q + 1) - chunk_start
+                num_sub = _div(jnp.clip(seen, 0, chunk) + sub - 1, sub)
 
-                @pl.when(chunk_start <= last_q)  # blocks entirely above the causal diagonal: nothing to see
-                def _():
+                def sub_block(b, carry):
+                    start = pl.multiple_of(b * sub, sub)
+                    k_pos = chunk_start + start + _token_order(hkv, itemsize, sub, (1, sub), 1)
+                    ok = mine & am.allowed(offset + tok - q_start, k_pos, causal=True, window=window or None)
+                    ok &= k_pos < kv_end
+                    # Slots of pages past the end were not fetched: zero them so 0 * garbage cannot give NaN.
+                    v_ok = chunk_start + start + _token_order(hkv, itemsize, sub, (sub, 1), 0) < kv_end
                     for h in range(hkv):
-                        k, v = _head_rows(kbuf, slot, h, hkv, chunk), _head_rows(vbuf, slot, h, hkv, chunk)
+                        k, v = _head_rows(kbuf, slot, h, hkv, start, sub), _head_rows(vbuf, slot, h, hkv, start, sub)
                         if quantized:  # dequantize in VMEM: exact in q's dtype, k_scale joins the score scale
                             k, v = k.astype(q_ref.dtype), v.astype(q_ref.dtype)
                         v = jnp.where(v_ok, v, 0)
@@ -392,8 +398,9 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
                         m, l, acc = am.online_softmax_step(m_ref[h, rs, :], l_ref[h, rs, :], acc_ref[h, rs, :],
                                                            sc, ok, v)
                         m_ref[h, rs, :], l_ref[h, rs, :], acc_ref[h, rs, :] = m, l, acc
+                    return carry
 
-                return carry
+                return jax.lax.fori_loop(0, num_sub, sub_block, carry)
 
             for_blocks(compute_block)
             return carry
@@ -428,41 +435,42 @@ def _word_runs(hkv: int, itemsize: int) -> int:
     return 1 if hkv == 1 else pack // math.gcd(hkv, pack)
 
 
-def _head_rows(buf, slot, h, hkv, chunk):
-    """KV head h of the chunk in ``slot``, [chunk, D] in buf's dtype, from dense rows (token, head).
+def _head_rows(buf, slot, h, hkv, start, n):
+    """KV head h of tokens [start, start + n) of the chunk in ``slot``, [n, D] in buf's dtype, from dense
+    rows (token, head).
 
     Pages [page, Hkv, D] land as page * Hkv dense rows (no head padded to a sublane tile); head h is
     rows h, h + Hkv, ..., read as 32-bit words by strided sublane loads (Mosaic takes those on 32-bit
-    data only) and unpacked by a shift. With several runs (``_word_runs``) the tokens come back
-    grouped by t mod runs, the order ``_token_order`` gives, which the masks follow: attention does
-    not depend on the order of its keys.
+    data only) and unpacked by a shift. With several runs (``_word_runs``; ``start`` and ``n`` are
+    multiples of their number) the tokens come back grouped by t mod runs, the order ``_token_order``
+    gives, which the masks follow: attention does not depend on the order of its keys.
     """
     if hkv == 1:
-        return buf[slot]
+        return buf[slot, pl.ds(start, n)]
     pack = 4 // buf.dtype.itemsize
     if pack == 1:  # 32-bit rows: load them as they are
-        return buf[slot, pl.ds(h, chunk, stride=hkv), :]
+        return buf[slot, pl.ds(start * hkv + h, n, stride=hkv), :]
     runs = _word_runs(hkv, buf.dtype.itemsize)
-    words = buf.bitcast(jnp.uint32).at[slot]
+    # the sub-block's words: an aligned window (start * hkv is a multiple of pack and of the sublane tile)
+    words = buf.bitcast(jnp.uint32).at[slot, pl.ds(pl.multiple_of(_div(start * hkv, pack), 8), n * hkv // pack)]
     parts = []
     for b in range(runs):
         first = b * hkv + h  # dense row of head h of token b
-        w = words[pl.ds(first // pack, chunk // runs, stride=runs * hkv // pack), :]
-        if pack > 1:
-            bits = 32 // pack
-            w = (w >> (bits * (first % pack))).astype(jnp.dtype(f"uint{bits}"))
+        w = words[pl.ds(first // pack, n // runs, stride=runs * hkv // pack), :]
+        bits = 32 // pack
+        w = (w >> (bits * (first % pack))).astype(jnp.dtype(f"uint{bits}"))
         parts.append(pltpu.bitcast(w, buf.dtype))
     return parts[0] if runs == 1 else jnp.concatenate(parts, axis=0)
 
 
-def _token_order(hkv, itemsize, chunk, shape, axis):
-    """Token (position in the chunk) of each row ``_head_rows`` returns, as an int32 iota of ``shape``."""
+def _token_order(hkv, itemsize, n, shape, axis):
+    """Token (from the start of the rows) of each row ``_head_rows`` returns, as an int32 iota of ``shape``."""
     r = jax.lax.broadcasted_iota(jnp.int32, shape, axis)
     runs = _word_runs(hkv, itemsize)
     if runs == 1:
         return r
-    n = chunk // runs
-    return jax.lax.rem(r, n) * runs + _div(r, n)
+    per_run = n // runs
+    return jax.lax.rem(r, per_run) * runs + _div(r, per_run)
 
 
 def _block_sizes(rows, dtype) -> tuple[int, ...]:
