@@ -356,25 +356,28 @@ def test_mxfp4_decode_every_code_and_extreme_scales(load_kernel, dtype):
     assert (np.stack([lo, hi])[~ok] == 0).all()
 
 
-def _dequantize_fp8_block(k, w, scales, dtype, *, block0, row_off):
-    """The kernel's fp8 dequantization of one weight block (interpret mode)."""
+def _dequantize_fp8_block(k, w, scales, dtype, *, block0, row_off, mode):
+    """The kernel's fp8 dequantization of one weight block (interpret mode), converting as ``mode`` (e4m3_mode)."""
     from jax.experimental import pallas as pl
 
     def kernel(w_ref, s_ref, out_ref):
-        k.pallas._dequantize(out_ref, w_ref, s_ref, block0=block0, row_off=row_off)
+        k.pallas._dequantize(out_ref, w_ref, s_ref, block0=block0, row_off=row_off, e4m3=mode)
 
     with interpret("fast"):
         return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(w.shape, dtype))(jnp.asarray(w),
                                                                                       jnp.asarray(scales))
 
 
+@pytest.mark.parametrize("mode", ["f32", "bf16", "native"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("rows,cols,block0,row_off", [(300, 600, 1, 50), (256, 384, 0, 0), (77, 130, 2, 120)])
-def test_fp8_dequantize_every_code_and_block_scale(load_kernel, dtype, rows, cols, block0, row_off):
+def test_fp8_dequantize_every_code_and_block_scale(load_kernel, dtype, rows, cols, block0, row_off, mode):
     """Every float8_e4m3fn byte (subnormals, -0, the NaN codes 0x7f / 0xff) in every column phase, under a
     grid of block scales (powers of two and not, tiny to large), through the kernel's dequantization with
     the block row offsets the up half uses (``block0``, ``row_off``) and shapes off the 128 grid (pieces
-    of 128 rows within a block row, 256 columns, 128 or fewer at the end), against ml_dtypes' decode."""
+    of 128 rows within a block row, 256 columns, 128 or fewer at the end), against ml_dtypes' decode; in each
+    way the kernel converts (``e4m3_mode``: the e4m3b11fnuz unpack with its fix-ups in f32 or packed bf16, or a
+    plain conversion)."""
     k = load_kernel("ragged_dot")
     rng = np.random.default_rng(7)
     codes = (np.arange(rows * cols).reshape(rows, cols) + rng.integers(0, 256, (rows, 1))) % 256
@@ -382,7 +385,7 @@ def test_fp8_dequantize_every_code_and_block_scale(load_kernel, dtype, rows, col
     nb, kb = block0 + -(-(row_off + rows) // B) + 1, -(-cols // B)  # a spare block row after the used ones
     values = np.array([1.0, 0.37, 3.1e-3, 2.0 ** -20, 1.7e4, 2.0 ** 9, 0.5, 11.0], np.float32)
     scales = values[rng.integers(0, len(values), (nb, kb))]
-    out = np.asarray(_dequantize_fp8_block(k, w, scales, getattr(jnp, dtype), block0=block0, row_off=row_off),
+    out = np.asarray(_dequantize_fp8_block(k, w, scales, getattr(jnp, dtype), block0=block0, row_off=row_off, mode=mode),
                      np.float32)
     full = np.repeat(np.repeat(scales, B, 0), B, 1)[block0 * B + row_off:block0 * B + row_off + rows, :cols]
     ref = (w.astype(np.float32) * full).astype(np.dtype(getattr(ml_dtypes, dtype, dtype))).astype(np.float32)
