@@ -232,7 +232,8 @@ MXFP4_SCALE_ROWS = 16  # packed weight rows (bytes: 32 inputs) per e8m0 scale ro
 _MXFP4_ROWS = 128  # byte rows decoded per loop iteration (a multiple of 32: whole uint8 tiles)
 
 
-def _dequantize_mxfp4(lo_ref, hi_ref, w_ref, s_ref, s_scr, rows: int = _MXFP4_ROWS, cols: int = 1024):
+def _dequantize_mxfp4(lo_ref, hi_ref, w_ref, s_ref, s_scr, rows: int = _MXFP4_ROWS, cols: int = 1024,
+                      bf16_vpu: bool = False):
     """MXFP4 weights of one block, [k/2, n] (w_ref uint8: byte row r holds inputs 2r, low nibble, and 2r + 1),
     with uint8 e8m0 scales s_ref [>= k/32, n] (rows past k/32 are padding): lo = the even inputs' rows,
     hi = the odd inputs', in lo_ref's dtype; the kernel multiplies them with the lhs's even and odd columns.
@@ -240,11 +241,13 @@ def _dequantize_mxfp4(lo_ref, hi_ref, w_ref, s_ref, s_scr, rows: int = _MXFP4_RO
     The scales become f32 2^(s - 127) (from the exponent bits; s = 0 gives 0, TPU has no subnormals) in
     s_scr once; each scale row then covers 16 weight rows, a sublane broadcast. The bytes are read as uint32
     words (8-bit integer ops do not lower on TPU), each nibble moved into a float8_e5m2 byte
-    (``_e2m1_as_e5m2``) and converted by the fp8 unpack, then times 2^14 (exact) and the scale: every code
-    costs ~4 vector ops, a third of decoding it in f32 arithmetic. Chunks of ``rows`` x ``cols`` (a loop over
+    (``_e2m1_as_e5m2``) and converted by the fp8 unpack, then times 2^14 and the scale, exact products (in
+    packed bf16 with ``bf16_vpu`` and a bf16 destination: fewer ops where the chip has bf16 arithmetic): every
+    code costs ~4 vector ops, a third of decoding it in f32 arithmetic. Chunks of ``rows`` x ``cols`` (a loop over
     row chunks, so the program stays small) keep the f32 temporaries small; a row count off the 32-row uint8
     tile (k/2 = 16 mod 32) ends with a chunk overlapping the previous one."""
     kh, n = w_ref.shape
+    packed = bf16_vpu and jnp.dtype(lo_ref.dtype) == jnp.bfloat16
     sr = kh // MXFP4_SCALE_ROWS
     s_scr[:sr, :] = lax.bitcast_convert_type(s_ref[:sr, :].astype(jnp.int32) << 23, jnp.float32)
     tile = 32  # uint8 rows per native tile: the unit the uint32 view needs
@@ -257,9 +260,14 @@ def _dequantize_mxfp4(lo_ref, hi_ref, w_ref, s_ref, s_scr, rows: int = _MXFP4_RO
             words = pltpu.bitcast(w_ref[pl.ds(r0, nr), pl.ds(c0, cw)], jnp.uint32)
             s = s_scr[pl.ds(s0, nr // MXFP4_SCALE_ROWS), pl.ds(c0, cw)]
             s = jnp.broadcast_to(s[:, None, :], (nr // MXFP4_SCALE_ROWS, MXFP4_SCALE_ROWS, cw)).reshape(nr, cw)
+            if packed:
+                s = s.astype(lo_ref.dtype)
             for dst, nibble in ((lo_ref, 0), (hi_ref, 1)):
                 v = pltpu.bitcast(_e2m1_as_e5m2(words, nibble), jnp.float8_e5m2).astype(jnp.float32)
-                dst[pl.ds(r0, nr), pl.ds(c0, cw)] = (v * 16384.0 * s).astype(dst.dtype)
+                if packed:  # every product is exact (powers of two): the same in bf16, two per op
+                    dst[pl.ds(r0, nr), pl.ds(c0, cw)] = v.astype(dst.dtype) * jnp.asarray(16384.0, dst.dtype) * s
+                else:
+                    dst[pl.ds(r0, nr), pl.ds(c0, cw)] = (v * 16384.0 * s).astype(dst.dtype)
 
     full = kh // rows
     if full:
@@ -293,11 +301,20 @@ def gate_up_scale_rows(scale_blocks: int, half: int, block_rows: int) -> tuple[i
     return half // block_rows, half % block_rows
 
 
+BF16_VPU = ("v6e", "tpu7x")  # generations whose vector unit computes on packed bf16 (two values per op)
+
+
+def bf16_vpu(chip: str | None) -> bool:
+    """The named (or current) chip has bf16 vector arithmetic; unknown (compiling from a CPU host): no."""
+    return (chip or current_chip()) in BF16_VPU
+
+
 def e4m3_mode(chip: str | None) -> str:
     """How the named (or current) chip turns float8_e4m3fn into values (see ``_e4m3_times``): "native" where
     the vector unit unpacks e4m3fn itself (TPU7x), "bf16" where it unpacks only e4m3b11fnuz but compares bf16
     natively (v6e), "f32" otherwise (v5e, or an unknown chip when compiling from a CPU host: right everywhere)."""
-    return {"tpu7x": "native", "v6e": "bf16"}.get(chip or current_chip(), "f32")
+    chip = chip or current_chip()
+    return "native" if chip == "tpu7x" else "bf16" if bf16_vpu(chip) else "f32"
 
 
 def _e4m3_times(w, scale, dtype, mode: str = "f32"):
@@ -399,7 +416,7 @@ def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
         @pl.when(_new_weights(fetch_group, i))
         def _dequant():
             if mxfp4:
-                _dequantize_mxfp4(deq_refs[0], deq_refs[1], w_refs[0], s_ref, deq_refs[2])
+                _dequantize_mxfp4(deq_refs[0], deq_refs[1], w_refs[0], s_ref, deq_refs[2], bf16_vpu=e4m3 != "f32")
                 return
             for w, d, (b0, off) in zip(w_refs, deq_refs, starts):
                 # tn is a block multiple when there are several n tiles (no traced floor division:
