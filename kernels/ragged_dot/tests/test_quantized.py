@@ -298,7 +298,7 @@ def test_mxfp4_gpt_oss_experts_match_dequantized_reference(load_kernel, dtype, s
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=tol, atol=tol * np.abs(ref).max())
 
 
-def _decode_mxfp4(k, blocks, scales, dtype):
+def _decode_mxfp4(k, blocks, scales, dtype, bf16_vpu=False):
     """The kernel's MXFP4 decode of one [k/2, n] block (interpret mode): (even-input rows, odd-input rows)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
@@ -308,7 +308,7 @@ def _decode_mxfp4(k, blocks, scales, dtype):
     lo_hi = jax.ShapeDtypeStruct((kh, n), dtype)
 
     def kernel(w_ref, s_ref, lo_ref, hi_ref, s_scr):
-        P._dequantize_mxfp4(lo_ref, hi_ref, w_ref, s_ref, s_scr)
+        P._dequantize_mxfp4(lo_ref, hi_ref, w_ref, s_ref, s_scr, bf16_vpu=bf16_vpu)
 
     with interpret("fast"):
         return pl.pallas_call(kernel, out_shape=(lo_hi, lo_hi),
@@ -316,12 +316,14 @@ def _decode_mxfp4(k, blocks, scales, dtype):
             jnp.asarray(blocks), jnp.asarray(scales))
 
 
+@pytest.mark.parametrize("bf16_vpu", [False, True])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_mxfp4_decode_every_code_and_extreme_scales(load_kernel, dtype):
+def test_mxfp4_decode_every_code_and_extreme_scales(load_kernel, dtype, bf16_vpu):
     """Every byte (all 16 x 16 e2m1 code pairs) under e8m0 scales from 0 to 254 (2^-127 .. 2^127: zero,
     subnormal and overflowing products included), against transformers' convert_moe_packed_tensors.
     Products below the normal range may flush to zero (TPU has no subnormals); 2^127 x 4 and x 6 are inf.
-    K/2 = 400 byte rows: three 128-row chunks and a 16-row tail; padded scale rows are ignored."""
+    K/2 = 400 byte rows: three 128-row chunks and a 16-row tail; padded scale rows are ignored. Products in f32
+    or (``bf16_vpu``, for a bf16 result) in packed bf16."""
     import torch
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
@@ -333,7 +335,7 @@ def test_mxfp4_decode_every_code_and_extreme_scales(load_kernel, dtype):
     blocks = ((blocks + rng.integers(0, 256, (1, n))) % 256).astype(np.uint8)
     scales = scale_values[np.arange(25 * n).reshape(25, n) % len(scale_values)]
     padded = np.concatenate([scales, np.full((7, n), 255, np.uint8)])  # padding rows (255: NaN if used)
-    lo, hi = (np.asarray(a, np.float32) for a in _decode_mxfp4(k, blocks, padded, getattr(jnp, dtype)))
+    lo, hi = (np.asarray(a, np.float32) for a in _decode_mxfp4(k, blocks, padded, getattr(jnp, dtype), bf16_vpu))
     # transformers: blocks [out, in/32, 16], scales [out, in/32] -> [in, out] (dequantized inputs along dim 0)
     tdt = getattr(torch, dtype)
     theirs = convert_moe_packed_tensors(torch.from_numpy(blocks.T.reshape(n, 25, 16).copy())[None],
@@ -356,25 +358,28 @@ def test_mxfp4_decode_every_code_and_extreme_scales(load_kernel, dtype):
     assert (np.stack([lo, hi])[~ok] == 0).all()
 
 
-def _dequantize_fp8_block(k, w, scales, dtype, *, block0, row_off):
-    """The kernel's fp8 dequantization of one weight block (interpret mode)."""
+def _dequantize_fp8_block(k, w, scales, dtype, *, block0, row_off, mode):
+    """The kernel's fp8 dequantization of one weight block (interpret mode), converting as ``mode`` (e4m3_mode)."""
     from jax.experimental import pallas as pl
 
     def kernel(w_ref, s_ref, out_ref):
-        k.pallas._dequantize(out_ref, w_ref, s_ref, block0=block0, row_off=row_off)
+        k.pallas._dequantize(out_ref, w_ref, s_ref, block0=block0, row_off=row_off, e4m3=mode)
 
     with interpret("fast"):
         return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(w.shape, dtype))(jnp.asarray(w),
                                                                                       jnp.asarray(scales))
 
 
+@pytest.mark.parametrize("mode", ["f32", "bf16", "native"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("rows,cols,block0,row_off", [(300, 600, 1, 50), (256, 384, 0, 0), (77, 130, 2, 120)])
-def test_fp8_dequantize_every_code_and_block_scale(load_kernel, dtype, rows, cols, block0, row_off):
+def test_fp8_dequantize_every_code_and_block_scale(load_kernel, dtype, rows, cols, block0, row_off, mode):
     """Every float8_e4m3fn byte (subnormals, -0, the NaN codes 0x7f / 0xff) in every column phase, under a
     grid of block scales (powers of two and not, tiny to large), through the kernel's dequantization with
     the block row offsets the up half uses (``block0``, ``row_off``) and shapes off the 128 grid (pieces
-    of 128 rows within a block row, 256 columns, 128 or fewer at the end), against ml_dtypes' decode."""
+    of 128 rows within a block row, 256 columns, 128 or fewer at the end), against ml_dtypes' decode; in each
+    way the kernel converts (``e4m3_mode``: the e4m3b11fnuz unpack with its fix-ups in f32 or packed bf16, or a
+    plain conversion)."""
     k = load_kernel("ragged_dot")
     rng = np.random.default_rng(7)
     codes = (np.arange(rows * cols).reshape(rows, cols) + rng.integers(0, 256, (rows, 1))) % 256
@@ -382,7 +387,7 @@ def test_fp8_dequantize_every_code_and_block_scale(load_kernel, dtype, rows, col
     nb, kb = block0 + -(-(row_off + rows) // B) + 1, -(-cols // B)  # a spare block row after the used ones
     values = np.array([1.0, 0.37, 3.1e-3, 2.0 ** -20, 1.7e4, 2.0 ** 9, 0.5, 11.0], np.float32)
     scales = values[rng.integers(0, len(values), (nb, kb))]
-    out = np.asarray(_dequantize_fp8_block(k, w, scales, getattr(jnp, dtype), block0=block0, row_off=row_off),
+    out = np.asarray(_dequantize_fp8_block(k, w, scales, getattr(jnp, dtype), block0=block0, row_off=row_off, mode=mode),
                      np.float32)
     full = np.repeat(np.repeat(scales, B, 0), B, 1)[block0 * B + row_off:block0 * B + row_off + rows, :cols]
     ref = (w.astype(np.float32) * full).astype(np.dtype(getattr(ml_dtypes, dtype, dtype))).astype(np.float32)
