@@ -209,6 +209,13 @@ def test_bad_scales_block_sizes_and_array_types(load_kernel):
         call(gu4, dn4, gate_up_scale=gus4, down_scale=dns4.astype(jnp.float32))
     with pytest.raises(ValueError, match=r"gate_up_scale must be \[4, 256, 8\] for uint8"):
         call(gu4, dn4, gate_up_scale=gus4[:, :, :4], down_scale=dns4)
+    # the kernel's layout (is_transposed): [E, in/2, out] with scales [E, >= in/32, out], rows past in/32 padding
+    gut, dnt = jnp.swapaxes(gu4, 1, 2), jnp.swapaxes(dn4, 1, 2)
+    pad = lambda a, r: jnp.pad(jnp.swapaxes(a, 1, 2), ((0, 0), (0, r), (0, 0)))  # noqa: E731
+    for rows in (0, 3, 24):  # from_pretrained_mxfp4 pads to a multiple of 32 (8 -> 32: 24 rows); any padding is read past
+        call(gut, dnt, gate_up_scale=pad(gus4, rows), down_scale=pad(dns4, rows), is_transposed=True, interleaved=True)
+    with pytest.raises(ValueError, match=r"down_scale must be \[4, >= 4, 256\] .* got \[4, 3, 256\]"):
+        call(gut, dnt, gate_up_scale=pad(gus4, 0), down_scale=pad(dns4, 0)[:, :3], is_transposed=True, interleaved=True)
     with pytest.raises(ValueError, match="MXFP4 weights need whole 32-value blocks"):  # H = 240: 7.5 blocks
         X.validate(jnp.zeros((t, 240)), idx, w, gu4[:, :, :120], jnp.zeros((e, 240, i // 2), jnp.uint8),
                    gate_up_scale=gus4, down_scale=dns4, interleaved=True)

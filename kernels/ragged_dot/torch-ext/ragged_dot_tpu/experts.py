@@ -66,9 +66,15 @@ def validate_scales(gate_up_proj, down_proj, gate_up_scale, down_scale, is_trans
             raise ValueError(f"MXFP4 weights need whole 32-value blocks: gate_up_proj {tuple(gate_up_proj.shape)} "
                              f"and down_proj {tuple(down_proj.shape)} must have packed input widths that are "
                              "multiples of 16 bytes")
-        if is_transposed:  # [E, in/32, out], or with the rows padded to a multiple of 32 (from_pretrained_mxfp4)
-            gu_shapes, dn_shapes = ({(e, r, w.shape[2]) for r in (n // 16, pallas._round_up(n // 16, 32))}
-                                    for w, n in ((gate_up_proj, gu_in), (down_proj, dn_in)))
+        if is_transposed:  # [E, in/32, out], or with padding rows after them (from_pretrained_mxfp4 pads)
+            for name, scale, w, n in (("gate_up_scale", gate_up_scale, gate_up_proj, gu_in),
+                                      ("down_scale", down_scale, down_proj, dn_in)):
+                check_array(name, scale, dtypes=("uint8",), ndim=3)
+                if scale.shape[0] != e or scale.shape[1] < n // 16 or scale.shape[2] != w.shape[2]:
+                    raise ValueError(f"{name} must be [{e}, >= {n // 16}, {w.shape[2]}] (e8m0 per 32 inputs, rows "
+                                     f"past {n // 16} are padding) for MXFP4 weights {tuple(w.shape)}, got "
+                                     f"{list(scale.shape)}")
+            return
         else:
             gu_shapes, dn_shapes = {(e, i2, h // 16)}, {(e, down_proj.shape[1], i // 16)}
     else:
@@ -149,8 +155,8 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
     MXFP4 (GPT-OSS) as uint8: weights [E, 2I, H/2] / [E, H, I/2] (the checkpoint's ``*_blocks`` with
     the last two dims merged), uint8 e8m0 scales [E, 2I, H/32] / [E, H, I/32] (``*_scales``); or, with
     ``is_transposed``, the layout the kernel reads: [E, H/2, 2I] / [E, I/2, H] with scales [E, H/32, 2I] /
-    [E, I/32, H], their rows optionally padded to a multiple of 32 (how ``from_pretrained_mxfp4`` stores
-    them: XLA:TPU keeps these row-major, so no call copies them; the checkpoint's layout is transposed
+    [E, I/32, H], optionally with padding rows after them (``from_pretrained_mxfp4`` pads to a multiple of 32:
+    XLA:TPU keeps these shapes row-major, so no call copies them; the checkpoint's layout is transposed
     per call, or bitcast where XLA's layout already has it so).
     They are dequantized in VMEM (w * scale, rounded to hidden_states' dtype, as transformers'
     dequantizing load does) and the matmuls run in hidden_states' dtype.
