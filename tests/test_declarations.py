@@ -19,11 +19,17 @@ from pallas_hub.verify import interpret
 KERNELS = sorted(manifest.load_manifest().kernels)
 
 
-def _family_case(family, fmt="bf16"):
-    """The benchmark's own reduced case of the family's first problem in ``fmt`` (its calling convention,
-    with an independent plain-JAX reference): what `pallas-hub bench` checks, here on every test run."""
-    check = next(p for p in problems.problems(families=(family,)) if p.family == family and p.format == fmt).check()
-    return check.args, check.kwargs, check.reference, check.tol
+def _family_cases(family, formats):
+    """The benchmark's own reduced cases of the family's problems in ``formats``, one per format and storage (its
+    calling convention, with an independent plain-JAX reference; the problem, whose params go to ``prepare``):
+    what `pallas-hub bench` checks, here on every test run."""
+    first = {}
+    for p in problems.problems(families=(family,)):
+        if p.family == family and p.format in formats:
+            first.setdefault((p.format, p.params.get("storage")), p)
+    for p in first.values():
+        check = p.check()
+        yield check.args, check.kwargs, check.reference, check.tol, p
 
 
 @pytest.mark.parametrize("key", KERNELS)
@@ -35,15 +41,16 @@ def test_each_kernel_declares_its_bench_problems_and_they_compute_the_right_thin
         family, impl = raced
         assert isinstance(impl, BenchImpl) and "bf16" in impl.formats
         assert set(impl.formats) <= {"bf16", *problems.QUANT_FORMATS}, impl.formats
-        for fmt in impl.formats:  # the quantized formats it declares too: the scales appended
-            args, kwargs, ref, tol = _family_case(family, fmt)
+        cases = list(_family_cases(family, impl.formats))  # the quantized formats it declares too: scales appended
+        assert {p.format for *_, p in cases} == set(impl.formats)
+        for args, kwargs, ref, tol, p in cases:
             if impl.prepare:
-                args = impl.prepare(*args)
+                args = impl.prepare(*args, params=p.params)
             with interpret("fast"), impl.context("v6e") if impl.context else contextlib.nullcontext():
                 got = impl.fn(*args, chip="v6e", **kwargs)
             got = got[0] if isinstance(got, tuple) else got  # decode also returns the updated caches
             err = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
-            assert err < tol, (family, fmt, err)
+            assert err < tol, (p.name, err)
     for problem in own:
         jax.eval_shape(lambda *a: problem.fn(*a, **problem.kwargs), *problem.args)  # abstract, as the cost model
         assert problem.min_bytes > 0 and problem.min_flops >= 0

@@ -3,9 +3,11 @@
 Three layers (DESIGN.md "Shapes that matter"):
 
 * ``moe``: one MoE experts layer given the router's top-k (hidden [T, H], top-k ids and weights,
-  gate_up [E, 2I, H], down [E, H, I] in transformers' layout, and the router logits [T, E] for
+  gate_up [E, 2I, H], down [E, H, I] in transformers' (Qwen3's) layout, and the router logits [T, E] for
   kernels that route themselves: vLLM TPU's fused_moe) -> [T, H]. Routing is softmax top-k of
-  seeded random logits, renormalised (Qwen3's ``norm_topk_prob``).
+  seeded random logits, renormalised (Qwen3's ``norm_topk_prob``). Each implementation takes the
+  weights in its own layout (``prepare``, outside cost and timing); ``params["storage"]`` says how
+  transformers stores the model's (``EXPERTS_STORAGE``: GPT-OSS [E, H, 2I] interleaved).
 * ``prefill``: causal self-attention, q [1, Hq, S, D], k/v [1, Hkv, S, D] -> [1, Hq, S, D].
 * ``decode``: one decode step of a continuous batch: write each sequence's new K/V into the paged
   cache (in place), then attend over its context (the new token included). Context lengths are
@@ -72,6 +74,12 @@ GPT_OSS_20B = Model("GPT-OSS-20B", hidden=2880, experts=32, top_k=4, moe_interme
                     moe_tokens=(1, 64, 256, 2048), prefill_tokens=(2048,), decode=((1, 16), (64, 16)),
                     quantized_moe=(("mxfp4", 1), ("mxfp4", 64)))
 MODELS = (QWEN3_30B_A3B, GPT_OSS_20B)
+# How transformers stores a model's bf16 experts where it is not [E, 2I, H] / [E, H, I] with [gate; up]
+# ("concatenated"): GptOssExperts (is_transposed=True) keeps gate_up [E, H, 2I] with gate and up in
+# alternate columns, and down [E, I, H]. The problems hold the concatenated layout; an implementation
+# that runs the model's own storage (ours) takes it from ``params["storage"]`` in its ``prepare``.
+# (Not a field of Model: that would change every problem's recipe, the compile cache's key.)
+EXPERTS_STORAGE = {GPT_OSS_20B.name: "transposed-interleaved"}
 DECODE_CONTEXT = (1024, 4096)  # each sequence's context length, uniform in this range (seeded)
 
 
@@ -214,6 +222,7 @@ def moe_problem(m: Model, tokens: int, fmt: str = "bf16") -> Problem:
     logits, ids, w = routing(tokens, e, k, seed=tokens)
     active = int(len(np.unique(ids)))
     ct = min(tokens, 16)
+    storage = EXPERTS_STORAGE.get(m.name, "concatenated") if fmt == "bf16" else None  # quantized: as given
     if fmt == "bf16":
         gate_up, down, scales = sds((e, 2 * i, h)), sds((e, h, i)), ()
     else:
@@ -223,11 +232,11 @@ def moe_problem(m: Model, tokens: int, fmt: str = "bf16") -> Problem:
     return Problem(
         "moe", m.name, f"{m.short} MoE layer T={tokens}" + ("" if fmt == "bf16" else f" {fmt}"),
         {"tokens": tokens, "hidden": h, "experts": e, "top_k": k, "intermediate": i, "active_experts": active,
-         "format": fmt},
+         "format": fmt, "storage": storage},
         (sds((tokens, h)), jnp.asarray(ids), sds((tokens, k), jnp.float32), gate_up, down, jnp.asarray(logits))
         + scales, {"top_k": k},
         min_bytes=active * per_expert + 2 * tokens * h * 2 + tokens * k * 8, min_flops=2 * tokens * k * 3 * h * i,
-        check=functools.partial(_moe_check, ct, fmt), check_key=("moe", ct, fmt),
+        check=functools.partial(_moe_check, ct, fmt), check_key=("moe", ct, fmt, storage),
         recipe=("moe", dataclasses.asdict(m), tokens, fmt), format=fmt)
 
 

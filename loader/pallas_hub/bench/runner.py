@@ -59,7 +59,7 @@ class Impl:
     fn: Callable | None  # fn(*args in this implementation's layout, chip=, **problem kwargs, **options)
     missing: str = ""  # why fn is None
     source: str = ""  # ours: the kernel folder it was built from
-    prepare: Callable | None = None  # the problem's arrays -> this layout (load time: outside cost and timing)
+    prepare: Callable | None = None  # (*arrays, params=) -> this layout (load time: outside cost and timing)
     search: Callable | None = None  # (problem, chip) -> options: the best tiling the model finds
     context: Callable | None = None  # chip -> context manager the tracing runs in
     cost: Callable | None = None  # (problem, args, chip, options) -> Cost, when estimate cannot follow the kernel
@@ -74,8 +74,8 @@ class Impl:
     def call(self, kwargs: dict, chip: str, options: dict | None = None, **extra) -> Callable:
         return functools.partial(self.fn, chip=chip, **kwargs, **(options or {}), **extra)
 
-    def args(self, args: tuple) -> tuple:
-        return tuple(self.prepare(*args)) if self.prepare else tuple(args)
+    def args(self, args: tuple, params: dict) -> tuple:
+        return tuple(self.prepare(*args, params=params)) if self.prepare else tuple(args)
 
     def tracing(self, chip: str):
         stack = contextlib.ExitStack()
@@ -96,12 +96,12 @@ def _transpose(x, perm):
     return _map(x, lambda a: jnp.transpose(a, perm), lambda s: tuple(s[i] for i in perm))
 
 
-def _moe_gmm_layout(x, ids, w, gate_up, down, logits):
+def _moe_gmm_layout(x, ids, w, gate_up, down, logits, params=None):
     """Weights in the layout grouped matmuls take: [E, H, 2I] and [E, I, H]."""
     return x, ids, w, _transpose(gate_up, (0, 2, 1)), _transpose(down, (0, 2, 1))
 
 
-def _moe_fused_layout(x, ids, w, gate_up, down, logits):
+def _moe_fused_layout(x, ids, w, gate_up, down, logits, params=None):
     """fused_moe v1's inputs: tokens, router logits, w1 [E, 2, H, I], w2 [E, I, H]."""
     def w1(a):  # [E, 2I, H] -> [E, 2, I, H] -> [E, 2, H, I]
         e, i2, h = a.shape
@@ -260,11 +260,11 @@ def _fused_moe_cost(problem: Problem, chip: str, options: dict):
                                      "fused-moe")
 
 
-def _jax_paged_layout(q, new_k, new_v, k_pages, v_pages, lengths, table):
+def _jax_paged_layout(q, new_k, new_v, k_pages, v_pages, lengths, table, params=None):
     return q, new_k, new_v, _transpose(k_pages, (2, 0, 1, 3)), _transpose(v_pages, (2, 0, 1, 3)), lengths, table
 
 
-def _rpa_layout(q, new_k, new_v, k_pages, v_pages, lengths, table):
+def _rpa_layout(q, new_k, new_v, k_pages, v_pages, lengths, table, params=None):
     if isinstance(k_pages, jax.ShapeDtypeStruct):
         p, page, hkv, d = k_pages.shape
         cache = jax.ShapeDtypeStruct((p, page, 2 * hkv // 2, 2, d), k_pages.dtype)
@@ -350,7 +350,7 @@ def compile_target(impl_name: str, recipe, chip: str, options: dict, device):
     problem = rebuild(recipe)
     sh = jax.sharding.SingleDeviceSharding(device)
     with impl.tracing(chip):
-        args = impl.args(problem.args)
+        args = impl.args(problem.args, problem.params)
     placed = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a in args)
     extra = {"device": device} if impl.needs_device else {}
     return impl.call(problem.kwargs, chip, _options(options), **extra), placed, impl.donate
@@ -376,7 +376,7 @@ def _check(impl: Impl, problem: Problem, cache: dict) -> dict:
     start = time.perf_counter()
     try:
         c = problem.check()
-        args = impl.args(c.args)
+        args = impl.args(c.args, problem.params)
         kwargs = c.kwargs
         if impl.reference is not None:  # plain JAX (it may branch on values): run eagerly
             with impl.tracing("v6e"):
@@ -402,7 +402,7 @@ def _counts(impl: Impl, problem: Problem, chip: str, options: dict):
     if impl.cost is not None:
         return impl.cost(problem, chip, options)
     with impl.tracing(chip):
-        args = impl.args(problem.args)
+        args = impl.args(problem.args, problem.params)
         return costmodel.estimate(impl.call(kwargs, chip, options), *args)
 
 

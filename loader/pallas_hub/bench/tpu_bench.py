@@ -61,7 +61,7 @@ def time_rows(problems, impls, model_rows, *, chip: str | None, device: str, run
             _, v = _modelled(model_rows, p.name, impl.name, chip)
             options = runner_options(v)
             fn = jax.jit(impl.call(p.kwargs, chip, options), donate_argnums=impl.donate)
-            args = list(impl.args(data))
+            args = list(impl.args(data, p.params))
 
             def step(*_):  # donated caches come back updated: feed them to the next call
                 out = fn(*args)

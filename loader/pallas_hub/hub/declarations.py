@@ -47,11 +47,12 @@ FAMILIES = ("moe", "prefill", "decode")  # the benchmark's problem families (pal
 
 @dataclasses.dataclass
 class BenchImpl:
-    """How the benchmark calls this kernel on its family's problems: ``fn(*prepare(*args), chip=, **kwargs)``."""
+    """How the benchmark calls this kernel on its family's problems:
+    ``fn(*prepare(*args, params=problem.params), chip=, **kwargs)``."""
 
     fn: Callable
     per_chip: bool = False  # the kernel's counts depend on the chip (tiling per TPU generation)
-    prepare: Callable | None = None  # the family's arrays into this kernel's layout, outside cost and timing
+    prepare: Callable | None = None  # (*arrays, params=) -> this kernel's layout, outside cost and timing
     context: Callable | None = None  # chip -> a context manager the kernel is traced in (e.g. its chip answered)
     donate: tuple = ()  # argument positions the layer updates in place (the decode caches)
     formats: tuple = ("bf16",)  # the storage formats of the family's problems it takes (quantized: scales appended)

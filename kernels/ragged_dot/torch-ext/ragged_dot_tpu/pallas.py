@@ -384,10 +384,13 @@ def _new_weights(fetch_group, i):
 # --------------------------------------------------------------------------- gmm kernel
 
 def _deinterleave(y):
-    """(tm, 2t) with gate/up in even/odd lanes -> two (tm, t). Mosaic has no lane-strided loads,
-    so transpose (lanes become sublanes), split sublane pairs, transpose back (XLU work only)."""
-    pairs = y.T.reshape(y.shape[1] // 2, 2, y.shape[0])
-    return pairs[:, 0, :].T, pairs[:, 1, :].T
+    """(tm, 2t) f32 with gate/up in even/odd lanes -> two (tm, t). Mosaic has no lane-strided loads,
+    so transpose (lanes become sublanes), split sublane pairs, transpose back (XLU work only). The
+    transposes move the bits as int32 (free bitcasts on TPU): XLA:CPU, which runs the kernel in
+    interpret mode, folds a transpose of a bf16 x bf16 -> f32 dot into a dot it cannot execute
+    ("DotThunk ... BF16 x BF16 = F32")."""
+    pairs = lax.bitcast_convert_type(y, jnp.int32).T.reshape(y.shape[1] // 2, 2, y.shape[0])
+    return tuple(lax.bitcast_convert_type(pairs[:, i, :].T, y.dtype) for i in (0, 1))
 
 
 def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
