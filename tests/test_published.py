@@ -57,7 +57,7 @@ def test_counts_recomputed_now_match(result, problem, impl):
     (im,) = [i for i in runner.implementations((prob.family,), progress=lambda *_: None) if i.name == impl]
     for chip in ("v6e",) if im.per_chip else ("v5e",):
         with im.tracing(chip):
-            cost = costmodel.estimate(im.call(prob.kwargs, chip), *im.args(prob.args))
+            cost = costmodel.estimate(im.call(prob.kwargs, chip), *im.args(prob.args, prob.params))
         saved = row["chips"][chip]
         assert (cost.hbm_bytes, cost.flops, cost.grid_steps) == (saved["hbm_bytes"], saved["flops"],
                                                                  saved["grid_steps"]), STALE
