@@ -447,5 +447,5 @@ def test_our_kernels_match_the_strict_interpreter(key, monkeypatch, tmp_path):
     assert impl.fn is not None, impl.missing
     problem = next(p for p in bench.problems(families=(family,)))
     check = problem.check()
-    fn, args = impl.call(check.kwargs, "v6e"), impl.args(check.args)
+    fn, args = impl.call(check.kwargs, "v6e"), impl.args(check.args, problem.params)
     assert _model_traffic(fn, *args) == InterpreterTraffic(monkeypatch).run(fn, *args)
