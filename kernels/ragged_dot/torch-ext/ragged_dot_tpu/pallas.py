@@ -781,41 +781,42 @@ def _moe_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, x_ref, 
     dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
     ddims = (((1,), (1,)), ((), ())) if down_transposed else (((1,), (0,)), ((), ()))
 
+    @pl.when(first)
+    def _zero():  # the tile's rows no group of its items writes stay zero
+        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
     @pl.when(grp < num_groups)
     def _compute():
         start, end = offsets[grp], offsets[grp + 1]
-        for c in range(tm // chunk):  # MXU work only for row chunks holding rows of this group
-            lo = tile * tm + c * chunk
-            rows = pl.ds(c * chunk, chunk)
-            hit = jnp.logical_and(lo < end, lo + chunk > start)
 
-            @pl.when(hit)
-            def _chunk():
-                x = x_ref[rows, :]
-                ys = [lax.dot_general(x, w[...], dims, preferred_element_type=jnp.float32) for w in w_refs]
-                ys = [y if cs is None else y * cs() for y, cs in zip(ys, col_scales)]
-                if has_bias:
-                    ys = [y + b[...].astype(jnp.float32) for y, b in zip(ys, b_refs)]
-                if interleaved:
-                    ys = _deinterleave(ys[0])
-                h = _activate(ys[0], ys[1], activation, alpha, limit).astype(d_ref.dtype)
-                y = lax.dot_general(h, d_ref[...], ddims, preferred_element_type=jnp.float32)
-                if d_scale is not None:
-                    y = y * d_scale()
-                if has_bias:
-                    y = y + db_ref[...].astype(jnp.float32)
-                r = lo + lax.broadcasted_iota(jnp.int32, y.shape, 0)
-                mine = jnp.logical_and(r >= start, r < end)
-                keep = jnp.where(first, jnp.zeros(y.shape, out_ref.dtype), out_ref[rows, :])
-                out_ref[rows, :] = jnp.where(mine, y.astype(out_ref.dtype), keep)
+        # MXU work only for the row chunks holding rows of this group: a loop over them, so every
+        # iteration runs one chunk's dots (and the compiled schedule shows one chunk per iteration)
+        def chunk_rows(c, carry):
+            r0 = pl.multiple_of(c * chunk, chunk)
+            rows = pl.ds(r0, chunk)
+            x = x_ref[rows, :]
+            ys = [lax.dot_general(x, w[...], dims, preferred_element_type=jnp.float32) for w in w_refs]
+            ys = [y if cs is None else y * cs() for y, cs in zip(ys, col_scales)]
+            if has_bias:
+                ys = [y + b[...].astype(jnp.float32) for y, b in zip(ys, b_refs)]
+            if interleaved:
+                ys = _deinterleave(ys[0])
+            h = _activate(ys[0], ys[1], activation, alpha, limit).astype(d_ref.dtype)
+            y = lax.dot_general(h, d_ref[...], ddims, preferred_element_type=jnp.float32)
+            if d_scale is not None:
+                y = y * d_scale()
+            if has_bias:
+                y = y + db_ref[...].astype(jnp.float32)
+            r = tile * tm + r0 + lax.broadcasted_iota(jnp.int32, y.shape, 0)
+            mine = jnp.logical_and(r >= start, r < end)
+            out_ref[rows, :] = jnp.where(mine, y.astype(out_ref.dtype), out_ref[rows, :])
+            return carry
 
-            @pl.when(jnp.logical_and(first, jnp.logical_not(hit)))
-            def _zero_chunk():
-                out_ref[rows, :] = jnp.zeros((chunk, out_ref.shape[1]), out_ref.dtype)
+        lo = jnp.clip(start - tile * tm, 0, tm)  # the group's rows in this tile: [lo, hi)
+        hi = jnp.clip(end - tile * tm, 0, tm)
+        n = jnp.int32(chunk)
+        lax.fori_loop(lax.div(lo, n), lax.div(hi + n - 1, n), chunk_rows, 0)
 
-    @pl.when(jnp.logical_and(grp >= num_groups, first))
-    def _tail():
-        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
 
 def moe_vmem_bytes(tm, chunk, h, i, in_bytes, out_bytes, w_bytes=None):
