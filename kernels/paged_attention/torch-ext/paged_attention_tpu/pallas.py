@@ -197,12 +197,12 @@ def work_items(cu_q_lens, num_tiles: int, block_q: int):
     num_seqs = cu_q_lens.shape[0] - 1
     starts, ends = cu_q_lens[:-1], cu_q_lens[1:]
     has_rows = ends > starts
-    first = starts // block_q
-    count = jnp.where(has_rows, (ends - 1) // block_q - first + 1, 0)
+    first = _udiv(starts, block_q)  # cu_q_lens is sanitized: non-negative
+    count = jnp.where(has_rows, _udiv(ends - 1, block_q) - first + 1, 0)
     max_real = num_tiles + num_seqs
     csum = jnp.cumsum(count)
     i = jnp.arange(max_real, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(csum, i, side="right"), num_seqs - 1).astype(jnp.int32)
+    seq = jnp.minimum(_searchsorted_right(csum, i), num_seqs - 1)
     tile = first[seq] + i - (csum - count)[seq]
     real = i < csum[-1]
     # Sort key: tile-major, zero-init item (rank 0) before the tile's sequences (rank s + 1).
@@ -216,6 +216,21 @@ def work_items(cu_q_lens, num_tiles: int, block_q: int):
     return tiles[order].astype(jnp.int32), seqs[order].astype(jnp.int32)
 
 
+def _udiv(a, b: int):
+    """a // b for non-negative int32 a, as unsigned division: for the small arrays around the kernels
+    (at one sequence, scalars XLA computes op by op) one op where signed division takes six."""
+    return jax.lax.bitcast_convert_type(jax.lax.div(jax.lax.bitcast_convert_type(a, jnp.uint32), jnp.uint32(b)),
+                                        jnp.int32)
+
+
+def _searchsorted_right(sorted_values, x):
+    """jnp.searchsorted(sorted_values, x, side="right") as int32. Comparing every pair is one fused op
+    where the default binary search is a loop of a dozen small XLA ops around the kernel (0.35 us
+    each in the cost model); past 16M pairs the binary search is the cheaper."""
+    method = "compare_all" if sorted_values.shape[0] * x.shape[0] <= 1 << 24 else "scan"
+    return jnp.searchsorted(sorted_values, x, side="right", method=method).astype(jnp.int32)
+
+
 def sanitize_cu(cu_q_lens, t):
     """Cumulative lengths clipped to [0, T] and made non-decreasing: device-side safety, no OOB tiles."""
     return jax.lax.cummax(jnp.clip(cu_q_lens.astype(jnp.int32), 0, t))
@@ -223,9 +238,14 @@ def sanitize_cu(cu_q_lens, t):
 
 # --------------------------------------------------------------------------- the kernel
 
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
 def _div(a, b):
-    """Division of non-negative ints; jnp's floor division lowers through sign(), which Mosaic
-    cannot lower without a TPU to ask the generation of."""
+    """Division of non-negative ints (truncating). jnp's floor division lowers through sign(): in a
+    kernel Mosaic cannot lower that without a TPU to ask the generation of, and around one it is
+    several more XLA ops."""
     return jax.lax.div(jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
 
 
@@ -233,12 +253,12 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
             q_ref, table_hbm, k_hbm, v_hbm, sinks_ref, scales_ref,  # inputs
             o_ref,  # output block [Hkv, R, D]
             table_smem, state, kbuf, vbuf, sems, table_sems, m_ref, l_ref, acc_ref,  # scratch
-            *, scale, window, softcap, block_q, group, pages_per_block, block_sizes, has_sinks, quantized):
+            *, pps, scale, window, softcap, block_q, group, pages_per_block, block_sizes, has_sinks, quantized):
     item, num_items = pl.program_id(0), pl.num_programs(0)
     seq = item_seq_ref[item]
     num_pages, page = k_hbm.shape[0], k_hbm.shape[1] // o_ref.shape[0]
     hkv, rows, d = o_ref.shape
-    pps = table_smem.shape[1]
+    stride = table_smem.shape[0] // 2  # table_smem holds two page-table rows
     chunk = pages_per_block * page
     sub = SUB_BLOCK if chunk % SUB_BLOCK == 0 else chunk  # keys per score block: a chunk's last is partly past the end
 
@@ -260,21 +280,41 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
         return dict(tile_start=tile_start, q_start=q_start, lo=lo, hi=hi, offset=offset, kv_end=kv_end,
                     first_page=first_page, end_page=end_page, num_chunks=num_chunks)
 
-    def table_copy(it, row):  # sequence of item it's page-table row -> table_smem[row]
+    def table_copy(it, row):  # sequence of item it's page-table row (padded) -> table_smem[row * stride:]
         s = jnp.maximum(item_seq_ref[it], 0)
-        return pltpu.make_async_copy(table_hbm.at[s], table_smem.at[row], table_sems.at[row])
+        return pltpu.make_async_copy(table_hbm.at[s], table_smem.at[pl.ds(row * stride, table_hbm.shape[1])],
+                                     table_sems.at[row])
 
-    def each_page(method, it_plan, row, c, slot):
-        """``method`` ("start" or "wait") the K and V copies of chunk c's pages of an item into ``slot``."""
+    def start_pages(it_plan, row, c, slot):
+        """Start the K and V copies of chunk c's pages of an item into ``slot``, one DMA per page."""
+        # pages started: [p0, end_page); a table_smem row has at least pages_per_block entries of slack
+        # past pps, so every read below is in bounds
+        p0 = jnp.minimum(it_plan["first_page"] + c * pages_per_block, pps)
+        at = row * stride + p0
+        n = it_plan["end_page"] - p0
         for j in range(pages_per_block):
-            p = it_plan["first_page"] + c * pages_per_block + j
-            pid = jnp.clip(table_smem[row, jnp.clip(p, 0, pps - 1)], 0, num_pages - 1)
-            rows_j = pl.ds(j * page * hkv, page * hkv)
+            # a page id out of [0, num_pages) (a negative one read as a large unsigned) -> the last page
+            pid = jax.lax.bitcast_convert_type(
+                jnp.minimum(jax.lax.bitcast_convert_type(table_smem[at + j], jnp.uint32), num_pages - 1), jnp.int32)
 
-            @pl.when(p < it_plan["end_page"])
+            @pl.when(j < n)
             def _():
                 for src, dst, sem in ((k_hbm, kbuf, sems.at[0, slot]), (v_hbm, vbuf, sems.at[1, slot])):
-                    getattr(pltpu.make_async_copy(src.at[pid], dst.at[slot, rows_j], sem), method)()
+                    pltpu.make_async_copy(src.at[pid], dst.at[slot, pl.ds(j * page * hkv, page * hkv)], sem).start()
+
+    def wait_pages(it_plan, c, slot):
+        """Wait for chunk c's pages. A DMA semaphore counts what has arrived, so the waits need not
+        match the copies one to one: one wait per power of two in the page count, that many pages long.
+        A wait reads only its semaphore and its destination's size: the source given is never read."""
+        n = jnp.clip(it_plan["end_page"] - it_plan["first_page"] - c * pages_per_block, 0, pages_per_block)
+        b = 1
+        while b <= pages_per_block:
+            @pl.when(jnp.bitwise_and(n, b) != 0)
+            def _(b=b):
+                for buf, sem in ((kbuf, sems.at[0, slot]), (vbuf, sems.at[1, slot])):
+                    pages = buf.at[slot, pl.ds(0, b * page * hkv)]
+                    pltpu.make_async_copy(pages, pages, sem).wait()
+            b *= 2
 
     # State carried from item to item (the grid runs in order): which table_smem row holds this
     # item's page-table row, which K/V slot its first chunk goes to, and the item whose first chunk
@@ -316,7 +356,7 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
 
         @pl.when(jnp.logical_not(prefetched) & (num_chunks > 0))
         def _():
-            each_page("start", me, row, 0, base)
+            start_pages(me, row, 0, base)
 
         # Only the row blocks holding this item's rows are touched: a decode item in a tile shared by
         # many sequences costs its own rows, not the tile's. Row r of a block is (token, head in group).
@@ -367,9 +407,9 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
             @pl.when(jnp.logical_not(last) | has_next)
             def _():
                 target = {k: jnp.where(last, nxt_plan[k], me[k]) for k in ("first_page", "end_page")}
-                each_page("start", target, jnp.where(last, 1 - row, row), jnp.where(last, 0, c + 1), 1 - slot)
+                start_pages(target, jnp.where(last, 1 - row, row), jnp.where(last, 0, c + 1), 1 - slot)
 
-            each_page("wait", me, row, c, slot)
+            wait_pages(me, c, slot)
             chunk_start = (first_page + c * pages_per_block) * page
             itemsize = kbuf.dtype.itemsize
 
@@ -381,18 +421,27 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
                 seen = jnp.minimum(kv_end, last_q + 1) - chunk_start
                 num_sub = _div(jnp.clip(seen, 0, chunk) + sub - 1, sub)
 
-                def sub_block(b, carry):
+                # Sub-blocks before the causal diagonal of the block's first own row and inside the
+                # sequence are seen whole by every own row: no mask (no sliding window).
+                first_q = offset + jnp.maximum(tile_start + _div(r0, group), lo) - q_start
+                clear = 0 if window else jnp.clip(_div(jnp.minimum(kv_end, first_q + 1) - chunk_start, sub), 0, num_sub)
+
+                def sub_block(masked, b, carry):
                     start = pl.multiple_of(b * sub, sub)
-                    k_pos = chunk_start + start + _token_order(hkv, itemsize, sub, (1, sub), 1)
-                    ok = mine & am.allowed(offset + tok - q_start, k_pos, causal=True, window=window or None)
-                    ok &= k_pos < kv_end
-                    # Slots of pages past the end were not fetched: zero them so 0 * garbage cannot give NaN.
-                    v_ok = chunk_start + start + _token_order(hkv, itemsize, sub, (sub, 1), 0) < kv_end
+                    ok = v_ok = None
+                    if masked:
+                        k_pos = chunk_start + start + _token_order(hkv, itemsize, sub, (1, sub), 1)
+                        ok = mine & am.allowed(offset + tok - q_start, k_pos, causal=True, window=window or None)
+                        ok &= k_pos < kv_end
+                        # Slots past the end hold what the page held there, or were not fetched: zero them
+                        # so that 0 * garbage cannot give NaN.
+                        v_ok = chunk_start + start + _token_order(hkv, itemsize, sub, (sub, 1), 0) < kv_end
                     for h in range(hkv):
                         k, v = _head_rows(kbuf, slot, h, hkv, start, sub), _head_rows(vbuf, slot, h, hkv, start, sub)
                         if quantized:  # dequantize in VMEM: exact in q's dtype, k_scale joins the score scale
                             k, v = k.astype(q_ref.dtype), v.astype(q_ref.dtype)
-                        v = jnp.where(v_ok, v, 0)
+                        if masked:
+                            v = jnp.where(v_ok, v, 0)
                         k_scale = scale * scales_ref[h] if quantized else scale
                         sc = am.scores(q_ref[h, rs, :], k, scale=k_scale, softcap=softcap or None)
                         m, l, acc = am.online_softmax_step(m_ref[h, rs, :], l_ref[h, rs, :], acc_ref[h, rs, :],
@@ -400,7 +449,8 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
                         m_ref[h, rs, :], l_ref[h, rs, :], acc_ref[h, rs, :] = m, l, acc
                     return carry
 
-                return jax.lax.fori_loop(0, num_sub, sub_block, carry)
+                carry = jax.lax.fori_loop(0, clear, functools.partial(sub_block, False), carry)
+                return jax.lax.fori_loop(clear, num_sub, functools.partial(sub_block, True), carry)
 
             for_blocks(compute_block)
             return carry
@@ -537,6 +587,10 @@ def ragged_paged_attention(
     while pages_per_block > 1 and vmem_estimate(rows, hkv, d, page, pages_per_block, k_pages.dtype) > KV_VMEM_BUDGET:
         pages_per_block //= 2
     num_tiles = max(1, pl.cdiv(t, bq))
+    # Each item copies its page-table row into SMEM: v5e's DMA takes a slice of an SMEM buffer only in
+    # multiples of 512 bytes, so the rows are padded to 128 entries (the kernel reads only the first pps).
+    pps_pad = _round_up(pps, 128)
+    table = jnp.pad(page_indices.astype(jnp.int32), ((0, 0), (0, pps_pad - pps)))
     t_pad = num_tiles * bq
 
     cu = sanitize_cu(cu_q_lens, t)
@@ -549,7 +603,7 @@ def ragged_paged_attention(
     scales = jnp.concatenate([k_scale, v_scale]) if quantized else jnp.ones((2 * hkv,), jnp.float32)  # SMEM
 
     kernel = functools.partial(
-        _kernel, scale=am.resolve_scale(scale, d), window=int(window), softcap=float(softcap), block_q=bq, group=group,
+        _kernel, pps=pps, scale=am.resolve_scale(scale, d), window=int(window), softcap=float(softcap), block_q=bq, group=group,
         pages_per_block=pages_per_block, block_sizes=_block_sizes(rows, q.dtype), has_sinks=sinks is not None,
         quantized=quantized)
     block = pl.BlockSpec((hkv, rows, d), lambda i, lens, cu, tiles, seqs: (0, tiles[i], 0))
@@ -565,7 +619,7 @@ def ragged_paged_attention(
                       pl.BlockSpec(memory_space=pltpu.SMEM)],
             out_specs=block,
             scratch_shapes=[
-                pltpu.SMEM((2, pps), jnp.int32),  # page-table rows: this item's, the next item's
+                pltpu.SMEM((2 * (pps_pad + _round_up(pages_per_block, 128)),), jnp.int32),  # this item's, the next's
                 pltpu.SMEM((3,), jnp.int32),  # state carried between items (ROW, SLOT, PREFETCHED)
                 pltpu.VMEM((2, pages_per_block * page * hkv, d), k_pages.dtype),
                 pltpu.VMEM((2, pages_per_block * page * hkv, d), v_pages.dtype),
@@ -585,7 +639,7 @@ def ragged_paged_attention(
         ),
         name="ragged_paged_attention",
     )(kv_lens.astype(jnp.int32), cu, item_tile, item_seq,
-      qg, page_indices.astype(jnp.int32), k_pages.reshape(num_pages, page * hkv, d),
+      qg, table, k_pages.reshape(num_pages, page * hkv, d),
       v_pages.reshape(num_pages, page * hkv, d), sinks_f32, scales.astype(jnp.float32))
     out = out.reshape(hkv, t_pad, group, d).transpose(1, 0, 2, 3).reshape(t_pad, hq, d)
     return out[:t]
@@ -669,12 +723,12 @@ def write_slots(kv_lens, page_indices, cu_q_lens, t, num_pages, page):
         return jnp.full((t,), -1, jnp.int32), jnp.zeros((t,), jnp.int32)
     cu = sanitize_cu(cu_q_lens, t)
     r = jnp.arange(t, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu, r, side="right") - 1, 0, num_seqs - 1)
+    seq = jnp.clip(_searchsorted_right(cu, r) - 1, 0, num_seqs - 1)
     pos = kv_lens[seq] - (cu[seq + 1] - cu[seq]) + r - cu[seq]
-    col = pos // page
+    col = _udiv(pos, page)  # a negative pos (refused below either way) reads as a large one
     pid = page_indices[seq, jnp.clip(col, 0, pps - 1)]
     ok = (r < cu[-1]) & (pos >= 0) & (col < pps) & (pid >= 0) & (pid < num_pages)
-    return jnp.where(ok, pid, -1).astype(jnp.int32), (pos % page).astype(jnp.int32)
+    return jnp.where(ok, pid, -1).astype(jnp.int32), pos - col * page
 
 
 def _write_kernel(pid_ref, off_ref, new_k, new_v, k_in, v_in, k_out, v_out, sems, *, in_flight):
