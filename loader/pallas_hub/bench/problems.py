@@ -51,9 +51,9 @@ class Model:
     experts: int
     top_k: int
     moe_intermediate: int
-    q_heads: int
-    kv_heads: int
-    head_dim: int
+    q_heads: int | None = None  # attention shapes: None for a model raced on its experts only
+    kv_heads: int | None = None
+    head_dim: int | None = None
     short: str = ""
     moe_tokens: tuple = (1, 8, 64, 256, 2048, 8192)  # decode batches and prefill lengths
     prefill_tokens: tuple = (2048, 8192)
@@ -73,7 +73,12 @@ GPT_OSS_20B = Model("GPT-OSS-20B", hidden=2880, experts=32, top_k=4, moe_interme
                     q_heads=64, kv_heads=8, head_dim=64, short="GPT-OSS",
                     moe_tokens=(1, 64, 256, 2048), prefill_tokens=(2048,), decode=((1, 16), (64, 16)),
                     quantized_moe=(("mxfp4", 1), ("mxfp4", 64)))
-MODELS = (QWEN3_30B_A3B, GPT_OSS_20B)
+# google/gemma-4-26b-a4b's experts (hidden, experts, top-k, intermediate as in kernels/ragged_dot/
+# compile_matrix.py, checked against its config): GELU-tanh gated in the model, computed here SiLU-gated
+# by every implementation as for GPT-OSS; the experts only (intermediate 704 is off the 128-lane grid).
+GEMMA4_26B_A4B = Model("Gemma-4-26B-A4B", hidden=2816, experts=128, top_k=8, moe_intermediate=704, short="Gemma-4",
+                       moe_tokens=(1, 64, 256, 2048), prefill_tokens=(), decode=())
+MODELS = (QWEN3_30B_A3B, GPT_OSS_20B, GEMMA4_26B_A4B)
 # How transformers stores a model's bf16 experts where it is not [E, 2I, H] / [E, H, I] with [gate; up]
 # ("concatenated"): GptOssExperts (is_transposed=True) keeps gate_up [E, H, 2I] with gate and up in
 # alternate columns, and down [E, I, H]. The problems hold the concatenated layout; an implementation
