@@ -219,6 +219,20 @@ def test_all_empty_groups_items_are_tail_only(load_kernel):
     assert groups == [3, 3, 3, 3] and set(fetch) == {0}  # no compute; one block index for the whole grid
 
 
+@pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
+@pytest.mark.parametrize("m,n_weights", [(256, 1), (1024, 1), (256, 3)])
+def test_tiling_counts_the_weights_an_overhanging_block_moves(load_kernel, chip, m, n_weights):
+    """GPT-OSS's 2880 columns (no 128-multiple divides them): a last block overhanging n moves its whole
+    width of weights, so the chosen width reads at most 1.1x them where some width fitting VMEM does
+    (blocks of 2432, once TPU7x's choice for the down projection, read 1.69x)."""
+    P = load_kernel("ragged_dot").pallas
+    n = 2880
+    tm, tn = P.choose_gmm_tiling(m, 2880, n, 32, in_dtype="bfloat16", out_dtype="bfloat16", chip=chip,
+                                 n_weights=n_weights, lane_n=True, divisors_only=False)
+    assert tn % 128 == 0 or tn == n
+    assert -(-n // tn) * tn <= 1.1 * n, (tm, tn)
+
+
 # --------------------------------------------------------------------------- bad input
 
 def test_bad_input_is_refused_with_clear_errors(load_kernel):
