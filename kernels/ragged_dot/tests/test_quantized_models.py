@@ -177,6 +177,19 @@ def test_on_the_fly_quantization_is_refused(tmp_path):
         from_pretrained_fp8(M, deq_dir, quantization_config=T.FineGrainedFP8Config())
 
 
+def test_nan_codes_in_fp8_experts_are_refused_at_load(tmp_path):
+    """An expert weight holding an e4m3fn NaN code (which v5e/v6e would read as 480) is refused by name at load."""
+    M, fp8_dir, _ = checkpoints("qwen3_moe", tmp_path)
+    tensors = load_file(fp8_dir / "model.safetensors")
+    key = next(k for k in tensors if ".experts.3." in k and k.endswith("down_proj.weight"))
+    bytes_ = tensors[key].view(torch.uint8).clone()
+    bytes_[5, 7] = 0xFF
+    tensors[key] = bytes_.view(FP8)
+    save_file(tensors, fp8_dir / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.\d+\.mlp\.experts\.down_proj holds 1 float8_e4m3fn NaN"):
+        from_pretrained_fp8(M, fp8_dir, dtype=torch.float32)
+
+
 # --------------------------------------------------------------------------- MXFP4 (GPT-OSS)
 
 FP4 = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6])

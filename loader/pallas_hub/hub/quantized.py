@@ -73,12 +73,28 @@ def dequantize_fp8_linears(model, dtype=None) -> int:
     return count
 
 
+def refuse_fp8_nan_codes(model) -> None:
+    """Raise, naming the tensor, if an expert weight kept in e4m3 holds a NaN code (0x7f / 0xff): the kernel
+    reads them as +-480 on v5e and v6e (its e4m3b11fnuz unpack; see ``_e4m3_times``). Quantizers saturate at
+    +-448, so a checkpoint with NaN weights is corrupt. One pass at load, an expert at a time."""
+    import torch
+
+    for name, p in model.named_parameters():
+        if p.dtype == torch.float8_e4m3fn and ".experts." in f".{name}":
+            bad = sum(int(((w.view(torch.uint8) & 0x7F) == 0x7F).sum()) for w in p.data.reshape(-1, *p.shape[-2:]))
+            if bad:
+                raise ValueError(f"{name} holds {bad} float8_e4m3fn NaN codes (0x7f / 0xff): the checkpoint is "
+                                 "corrupt (quantizers saturate at +-448), and ragged-dot-tpu does not take NaN weights")
+
+
 def from_pretrained_fp8(model_class, path, **kwargs):
     """``model_class.from_pretrained(path, **kwargs)`` for a block-wise FP8 checkpoint, experts kept in e4m3
     (``FP8Experts``; select ``experts_implementation="tokamax_ragged_dot"`` after ``pallas_hub.load``), other
-    FP8 linears dequantized to the model dtype. Needs no accelerate and no GPU."""
+    FP8 linears dequantized to the model dtype. Needs no accelerate and no GPU. Refuses expert weights that
+    hold NaN codes (``refuse_fp8_nan_codes``)."""
     with keep_fp8_quantized():
         model = model_class.from_pretrained(path, **kwargs)
+    refuse_fp8_nan_codes(model)
     dequantize_fp8_linears(model)
     return model
 
