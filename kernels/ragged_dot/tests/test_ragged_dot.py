@@ -402,21 +402,26 @@ def _mlp_reference(x, gu, dn, sizes):
     return out
 
 
-@pytest.mark.parametrize("mode,i,down_t", [("fast", 128, True), ("fast", 64, False),
-                                           pytest.param("strict", 128, True, marks=pytest.mark.strict_interpret)])
-def test_fused_moe_matches_reference(load_kernel, mode, i, down_t):
-    """Groups straddling 16-row chunks of a 32-row tile, empty groups, tail rows, a partial tile;
-    down in transformers' [E, H, I] layout or (down_t=False) the [E, I, H] view experts() takes
-    when I is off the lane grid."""
+@pytest.mark.parametrize("mode,i,down_t,tm,chunk,sizes", [
+    ("fast", 128, True, 32, 16, [5, 0, 40, 0, 3, 9]),
+    ("fast", 64, False, 32, 16, [5, 0, 40, 0, 3, 9]),
+    # chunks from the 8-row tile of a group's first row, one pulled back inside the 64-row tile ([17, 60):
+    # rows 16-47 then 32-63), a group starting in a tile's last 8 rows and crossing into the next
+    ("fast", 128, True, 64, 32, [17, 43, 0, 3, 2, 30]),
+    pytest.param("strict", 128, True, 32, 16, [5, 0, 40, 0, 3, 9], marks=pytest.mark.strict_interpret),
+    pytest.param("strict", 128, True, 64, 32, [17, 43, 0, 3, 2, 30], marks=pytest.mark.strict_interpret)])
+def test_fused_moe_matches_reference(load_kernel, mode, i, down_t, tm, chunk, sizes):
+    """Groups straddling chunks of a tile, empty groups, tail rows, a partial tile; down in transformers'
+    [E, H, I] layout or (down_t=False) the [E, I, H] view experts() takes when I is off the lane grid."""
     P = load_kernel("ragged_dot").pallas
-    h, sizes, m = 128, [5, 0, 40, 0, 3, 9], 70
+    h, m = 128, 120
     ks = jax.random.split(jax.random.key(3), 3)
     x = jax.random.normal(ks[0], (m, h))
     gu = 0.1 * jax.random.normal(ks[1], (len(sizes), 2 * i, h))
     dn = 0.1 * jax.random.normal(ks[2], (len(sizes), h, i))
     with interpret(mode):
-        out = P.fused_moe(x, gu, dn if down_t else jnp.swapaxes(dn, 1, 2), jnp.array(sizes, jnp.int32), tm=32,
-                          chunk=16, down_transposed=down_t)
+        out = P.fused_moe(x, gu, dn if down_t else jnp.swapaxes(dn, 1, 2), jnp.array(sizes, jnp.int32), tm=tm,
+                          chunk=chunk, down_transposed=down_t)
     assert not np.isnan(np.asarray(out)).any()
     _close(out, _mlp_reference(x, gu, dn, sizes), 1e-4)
     assert not np.asarray(out)[sum(sizes):].any()

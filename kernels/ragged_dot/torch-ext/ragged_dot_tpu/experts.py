@@ -193,7 +193,7 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
         y = jnp.where(valid, y, 0)  # tokamax leaves rows past sum(group_sizes) uninitialised
     elif not interleaved and not pallas.is_mxfp4(gate_up_proj) and pallas.fused_moe_tiling(x.shape[0], h, down_proj.shape[2] if transposed else down_proj.shape[1],
                                  in_dtype=wdt, out_dtype=wdt, transposed=transposed, interleaved=interleaved,
-                                 w_dtype=gate_up_proj.dtype):
+                                 w_dtype=gate_up_proj.dtype, groups=gate_up_proj.shape[0]):
         # the whole expert MLP in one kernel: the intermediate never leaves VMEM. (GPT-OSS's
         # interleaved layout takes the two-kernel path: XLA:CPU's interpreter rejects one of its
         # bf16 dots inside this kernel, "DotThunk ... BF16 x BF16 = F32", so it is not verified.)
