@@ -95,7 +95,7 @@ CASES = [  # kind, E, H, I, tokens, compute dtype
 ]
 
 
-@pytest.mark.parametrize("path", ["fused-in-dots", "fused-scratch", "gmm"])
+@pytest.mark.parametrize("path", ["fused-in-dots", "fused-scratch", "gmm", "gmm-row-chunks"])
 @pytest.mark.parametrize("kind,e,h,i,t,dtype", CASES)
 def test_quantized_experts_match_dequantized_reference(load_kernel, kind, e, h, i, t, dtype, path, monkeypatch):
     """Both ways the fused kernel converts (inside each chunk's dots, or once per expert into scratch) and the
@@ -107,17 +107,30 @@ def test_quantized_experts_match_dequantized_reference(load_kernel, kind, e, h, 
     (gu, dn, gus, dns), (gate, up, down) = make_experts(kind, e, h, i)
     idx, w = routing(t, e, 2, empty={1})
     x = np.random.default_rng(2).standard_normal((t, h)).astype(np.float32)
-    if path == "gmm":  # the two-kernel path (experts too large for VMEM whole)
+    if path.startswith("gmm"):  # the two-kernel path (experts too large for VMEM whole)
         monkeypatch.setattr(k.pallas, "fused_moe_tiling", lambda *a, **kw: None)
+    calls = chunk_rows_in_big_tiles(k, monkeypatch) if path == "gmm-row-chunks" else [16, 16]
     with interpret("fast"):
         out = k.experts.experts(jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(w, dtype), gu, dn,
                                 gate_up_scale=gus, down_scale=dns)
     assert out.dtype == jnp.dtype(dtype) and out.shape == (t, h)
-    assert in_dots == ([] if path == "gmm" else [path == "fused-in-dots"])  # the path asked for ran
-    assert path == "gmm" or real(2 * t, e, 32, gu.dtype, None)  # decode-sized: the default converts in the dots
+    assert in_dots == ([] if path.startswith("gmm") else [path == "fused-in-dots"])  # the path asked for ran
+    assert calls == [16, 16]  # (gmm-row-chunks) both projections ran the chunk loop
+    assert path.startswith("gmm") or real(2 * t, e, 32, gu.dtype, None)  # decode-sized: the default converts in the dots
     ref = reference(x, idx, np.asarray(jnp.asarray(w, dtype).astype(jnp.float32)), gate, up, down, dtype)
     tol = 2e-5 if dtype == "float32" else 2e-2  # bf16: the intermediate and the down output round to bf16
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=tol, atol=tol * np.abs(ref).max())
+
+
+def chunk_rows_in_big_tiles(k, monkeypatch):
+    """gmm in 64-row tiles, each group's rows in chunks of one native tile: the decode loop on small tests."""
+    real = k.pallas.choose_gmm_tiling
+    monkeypatch.setattr(k.pallas, "choose_gmm_tiling", lambda *a, **kw: (64, real(*a, **kw)[1]))
+    monkeypatch.setattr(k.pallas, "gmm_chunk_rows", lambda m, g, tm: 16 if tm == 64 else tm)
+    calls = []
+    kernel = k.pallas._gmm_kernel
+    monkeypatch.setattr(k.pallas, "_gmm_kernel", lambda *a, **kw: calls.append(kw["chunk"]) or kernel(*a, **kw))
+    return calls
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int8"])
@@ -277,17 +290,21 @@ def gpt_oss_reference(x, idx, w, gate_up, gu_bias, down, dn_bias, dtype, alpha=1
     return out
 
 
-@pytest.mark.parametrize("dtype,stored", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
-def test_mxfp4_gpt_oss_experts_match_dequantized_reference(load_kernel, dtype, stored):
+@pytest.mark.parametrize("dtype,stored,chunks", [("float32", False, False), ("bfloat16", False, False),
+                                                ("bfloat16", True, False), ("float32", False, True)])
+def test_mxfp4_gpt_oss_experts_match_dequantized_reference(load_kernel, dtype, stored, chunks, monkeypatch):
     """MXFP4 blocks/scales as GPT-OSS's checkpoint holds them, or (``stored``) as from_pretrained_mxfp4 stores
     them ([E, in/2, out], scale rows padded to 32; is_transposed). H = 288 (144 packed rows: one 128-row decode
     chunk and a tail) and I = 64, off the 128 grid; an expert with no tokens, 11 tokens, a sentinel: the
-    two-kernel path against NumPy's table-lookup dequantization."""
+    two-kernel path against NumPy's table-lookup dequantization; ``chunks``: gmm's decode loop over a group's
+    rows in 16-row chunks of 64-row tiles."""
     import torch
 
     from pallas_hub.hub.quantized import mxfp4_kernel_layout
 
     k = load_kernel("ragged_dot")
+    if chunks:
+        calls = chunk_rows_in_big_tiles(k, monkeypatch)
     rng = np.random.default_rng(10)
     e, h, i, t = 4, 288, 64, 11
     gate_up = rng.standard_normal((e, 2 * i, h)).astype(np.float32) * 0.3
@@ -312,6 +329,7 @@ def test_mxfp4_gpt_oss_experts_match_dequantized_reference(load_kernel, dtype, s
                             gu_bias, dequantize_mxfp4(dnb, dns), dn_bias, dtype)
     tol = 2e-5 if dtype == "float32" else 2e-2
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, rtol=tol, atol=tol * np.abs(ref).max())
+    assert not chunks or calls == [16, 16]  # both projections ran the chunk loop
 
 
 def _decode_mxfp4(k, blocks, scales, dtype, bf16_vpu=False):

@@ -425,3 +425,35 @@ def test_fused_moe_matches_reference(load_kernel, mode, i, down_t, tm, chunk, si
     assert not np.isnan(np.asarray(out)).any()
     _close(out, _mlp_reference(x, gu, dn, sizes), 1e-4)
     assert not np.asarray(out)[sum(sizes):].any()
+
+
+@pytest.mark.parametrize("variant", ["kn", "nk", "gated", "interleaved-bias"])
+@pytest.mark.parametrize("mode", ["fast", pytest.param("strict", marks=pytest.mark.strict_interpret)])
+def test_gmm_row_chunks_match_whole_tiles(load_kernel, variant, mode):
+    """gmm's loop over a group's rows in chunks (decode) against one pass over each whole tile: 64-row
+    tiles in 8-row chunks, groups straddling chunks and tiles, one pulled back inside its tile ([17, 60)),
+    empty groups, rows past sum(group_sizes); the plain layouts, a [gate; up] activation, and GPT-OSS's
+    interleaved gate/up with bias."""
+    P = load_kernel("ragged_dot").pallas
+    sizes, m, k, n = [17, 43, 0, 3, 2, 30, 0], 120, 128, 256
+    ks = jax.random.split(jax.random.key(5), 3)
+    lhs = jax.random.normal(ks[0], (m, k))
+    transposed = variant != "kn"
+    rhs = 0.1 * jax.random.normal(ks[1], (len(sizes), n, k) if transposed else (len(sizes), k, n))
+    kw = dict(transposed=transposed, tm=64, tn=128)
+    if variant == "gated":
+        kw.update(activation="silu")
+    if variant == "interleaved-bias":
+        rhs = jnp.swapaxes(rhs, 1, 2)
+        kw.update(transposed=False, activation="swiglu_oai", interleaved=True,
+                  bias=0.1 * jax.random.normal(ks[2], (len(sizes), n)))
+    gs = jnp.array(sizes, jnp.int32)
+    with interpret(mode):
+        chunked = P.gmm(lhs, rhs, gs, chunk=8, **kw)
+    with interpret("fast"):
+        whole = P.gmm(lhs, rhs, gs, chunk=64, **kw)
+    assert not np.isnan(np.asarray(chunked)).any()
+    _close(chunked, whole, 1e-6)
+    assert not np.asarray(chunked)[sum(sizes):].any()
+    if variant in ("kn", "nk"):
+        _close(chunked, _lax(lhs, rhs, gs, transposed), 1e-4)

@@ -82,12 +82,13 @@ def _round_up(x: int, r: int) -> int:
 
 
 def gmm_vmem_bytes(tm: int, tn: int, k: int, in_bytes: int, out_bytes: int, n_weights: int = 1,
-                   quantized: bool = False) -> int:
-    """VMEM a gmm step needs: double-buffered lhs, weight and output blocks plus f32 temporaries.
-    Quantized weights (1 byte, double-buffered, plus their dequantized copy in ``in_bytes``) take
-    about what in_bytes weights double-buffered take; add the f32 temporaries of dequantizing."""
+                   quantized: bool = False, chunk: int | None = None) -> int:
+    """VMEM a gmm step needs: double-buffered lhs, weight and output blocks plus f32 temporaries (of
+    ``chunk`` rows, default tm). Quantized weights (1 byte, double-buffered, plus their dequantized copy
+    in ``in_bytes``) take about what in_bytes weights double-buffered take; add the f32 temporaries of
+    dequantizing."""
     return (2 * tm * k * in_bytes + 2 * n_weights * k * tn * in_bytes + 2 * tm * tn * out_bytes
-            + (n_weights + 1) * tm * tn * 4 + 4 * n_weights * tn * 4 + (2 * 256 * k * 4 if quantized else 0))
+            + (n_weights + 1) * (chunk or tm) * tn * 4 + 4 * n_weights * tn * 4 + (2 * 256 * k * 4 if quantized else 0))
 
 
 def _tn_candidates(n: int, lane_dim: bool, divisors_only: bool = True) -> list[int]:
@@ -102,6 +103,39 @@ def expected_active_groups(m: int, g: int) -> float:
     return g * (1.0 - (1.0 - 1.0 / g) ** m) if g else 0.0
 
 
+def group_chunk_rows(m: int, groups: int | None) -> int:
+    """Rows per iteration of a kernel's loop over the rows of one group in a tile (``_for_group_rows``).
+    Every iteration pushes the weight block through the MXU whole, but its result pops, adds and masks
+    scale with its rows: when groups average few rows (decode: Qwen3 at 64 tokens has 4), the smallest
+    chunk that holds an average group in one iteration from the native tile where it starts (32 rows: any
+    group of up to 17 bf16 rows). Compiled for v6e, the fused MLP for Qwen3 at 64 tokens in bf16: 3249
+    bundles an iteration against 3610 at 128 rows, 96 vmatmuls per MXU against 384."""
+    avg = -(-m // groups) if groups else m
+    return 32 if avg <= 16 else 64 if avg <= 48 else 128
+
+
+def _for_group_rows(lo, hi, *, tm: int, chunk: int, sub: int, body):
+    """``body(r0)`` for chunks of ``chunk`` rows from r0 (a multiple of ``sub``, the native tile) covering
+    rows [lo, hi) of a tm-row tile: from the native tile holding row lo, so a group of a few rows takes one
+    chunk wherever it starts; the last chunk pulled back inside the tile (rows it repeats are written
+    again, with the same values)."""
+    first_row = jnp.minimum(lax.div(lo, jnp.int32(sub)) * sub, tm - chunk)
+
+    def step(c, carry):
+        body(pl.multiple_of(jnp.minimum(first_row + c * chunk, tm - chunk), sub))
+        return carry
+
+    n = jnp.int32(chunk)
+    lax.fori_loop(0, lax.div(hi - first_row + n - 1, n), step, 0)
+
+
+def gmm_chunk_rows(m: int, groups: int, tm: int) -> int:
+    """gmm's rows per iteration at row tile tm: decode-sized groups (``group_chunk_rows`` below 128) in
+    chunks, larger ones as the whole tile (one MXU pass over tm rows per weight block)."""
+    chunk = group_chunk_rows(m, groups)
+    return min(tm, chunk) if chunk < 128 else tm
+
+
 def choose_gmm_tiling(m: int, k: int, n: int, g: int, *, in_dtype, out_dtype, chip: str | None = None,
                       n_weights: int = 1, lane_n: bool = True, divisors_only: bool = True,
                       quantized: bool = False) -> tuple[int, int]:
@@ -110,7 +144,10 @@ def choose_gmm_tiling(m: int, k: int, n: int, g: int, *, in_dtype, out_dtype, ch
     tn: fewer, wider blocks re-read the lhs less and take fewer steps, but a last block that overhangs
     n moves its whole width of weights (GPT-OSS's 2880 in blocks of 2432 reads 1.7x its weights; in
     blocks of 1536, 1.07x). tm: trades wasted MXU rows (an item computes tm rows however few belong
-    to its group) against grid steps (each costs ~0.35 us).
+    to its group, or its chunks of ``gmm_chunk_rows``, and the MXU takes at least its width) against
+    grid steps: each costs ~0.35 us, and a group straddling two tiles takes two, the second pushing the
+    weight block through the MXU again with no DMA to hide it under (GPT-OSS at 64 tokens in 16-row
+    tiles: 47 items for 32 groups).
     """
     spec = _chip(chip)
     inb, outb = jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize
@@ -123,13 +160,17 @@ def choose_gmm_tiling(m: int, k: int, n: int, g: int, *, in_dtype, out_dtype, ch
     for tn in _tn_candidates(n, lane_n, divisors_only):
         tiles_n = -(-n // tn)
         for tm in tms:
-            if gmm_vmem_bytes(tm, tn, k, inb, outb, n_weights, quantized) > budget:
+            chunk = gmm_chunk_rows(m, g, tm)
+            if gmm_vmem_bytes(tm, tn, k, inb, outb, n_weights, quantized, chunk) > budget:
                 continue
-            items = ga + -(-m // tm) - 1
-            steps = tiles_n * items
-            flops = 2.0 * steps * tm * k * tn * n_weights
+            tiles_m = -(-m // tm)
+            steps = tiles_n * (ga + tiles_m - 1)
+            # an item pushes its weight block through the MXU whole and streams its rows (chunks) past it
+            item_s = 2.0 * max(chunk, spec.mxu_dim) * k * tn * n_weights / spec.peak_flops
             hbm = ga * k * tiles_n * tn * n_weights * inb + tiles_n * m * k * inb + m * n * outb
-            t = max(hbm / spec.hbm_bandwidth, flops / spec.peak_flops) + steps * spec.step_overhead_s
+            # a group continuing from the previous tile finds its weights in VMEM: no DMA hides that step
+            t = (max(hbm / spec.hbm_bandwidth, ga * tiles_n * item_s) + (tiles_m - 1) * tiles_n * item_s
+                 + steps * spec.step_overhead_s)
             if best is None or t < best[0] * 0.98:  # wider tn and smaller tm first: later ones must win clearly
                 best = (t, tm, tn)
     if best is None:
@@ -412,7 +453,7 @@ def _deinterleave(y):
 
 
 def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
-                tm, tn, num_groups, transposed, activation, interleaved, alpha, limit, has_bias, quant):
+                tm, tn, chunk, num_groups, transposed, activation, interleaved, alpha, limit, has_bias, quant):
     del fetch_tile  # index maps only
     n_w = 2 if activation != "none" and not interleaved else 1
     mxfp4 = quant is not None and quant[0] == "mxfp4"
@@ -453,22 +494,44 @@ def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
 
     @pl.when(grp < num_groups)
     def _compute():
+        start, end = offsets[grp], offsets[grp + 1]
         dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
-        if mxfp4:  # even inputs x even weights + odd x odd
-            ys = [sum(lax.dot_general(x[...], w[...], dims, preferred_element_type=jnp.float32)
-                      for x, w in zip(lhs_refs, w_refs))]
-        else:
-            ys = [lax.dot_general(lhs_refs[0][...], w[...], dims, preferred_element_type=jnp.float32) for w in w_refs]
-        ys = [y if cs is None else y * cs() for y, cs in zip(ys, col_scales)]
-        if has_bias:
-            ys = [y + b[...].astype(jnp.float32) for y, b in zip(ys, b_refs)]
-        if interleaved:
-            ys = _deinterleave(ys[0])
-        y = ys[0] if activation == "none" else _activate(ys[0], ys[1], activation, alpha, limit)
-        rows = tile * tm + lax.broadcasted_iota(jnp.int32, y.shape, 0)
-        mine = jnp.logical_and(rows >= offsets[grp], rows < offsets[grp + 1])
-        keep = jnp.where(first, jnp.zeros(out_ref.shape, out_ref.dtype), out_ref[...])
-        out_ref[...] = jnp.where(mine, y.astype(out_ref.dtype), keep)
+
+        def epilogue(rows):  # the output rows ``rows`` of the tile, f32
+            if mxfp4:  # even inputs x even weights + odd x odd
+                ys = [sum(lax.dot_general(x[rows, :], w[...], dims, preferred_element_type=jnp.float32)
+                          for x, w in zip(lhs_refs, w_refs))]
+            else:
+                ys = [lax.dot_general(lhs_refs[0][rows, :], w[...], dims, preferred_element_type=jnp.float32)
+                      for w in w_refs]
+            ys = [y if cs is None else y * cs() for y, cs in zip(ys, col_scales)]
+            if has_bias:
+                ys = [y + b[...].astype(jnp.float32) for y, b in zip(ys, b_refs)]
+            if interleaved:
+                ys = _deinterleave(ys[0])
+            return ys[0] if activation == "none" else _activate(ys[0], ys[1], activation, alpha, limit)
+
+        def mine(y, r0):
+            rows = tile * tm + r0 + lax.broadcasted_iota(jnp.int32, y.shape, 0)
+            return jnp.logical_and(rows >= start, rows < end)
+
+        if chunk == tm:  # one pass over the tile; the first item on it zeroes the rows no group writes
+            y = epilogue(slice(None))
+            keep = jnp.where(first, jnp.zeros(out_ref.shape, out_ref.dtype), out_ref[...])
+            out_ref[...] = jnp.where(mine(y, 0), y.astype(out_ref.dtype), keep)
+            return
+
+        @pl.when(first)
+        def _zero():
+            out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+
+        def chunk_rows(r0):
+            rows = pl.ds(r0, chunk)
+            y = epilogue(rows)
+            out_ref[rows, :] = jnp.where(mine(y, r0), y.astype(out_ref.dtype), out_ref[rows, :])
+
+        _for_group_rows(jnp.clip(start - tile * tm, 0, tm), jnp.clip(end - tile * tm, 0, tm), tm=tm, chunk=chunk,
+                        sub=_sublanes(lhs_refs[0].dtype), body=chunk_rows)
 
     @pl.when(jnp.logical_and(grp >= num_groups, first))
     def _tail():  # a tile past sum(group_sizes): ragged_dot defines these rows as zero
@@ -478,7 +541,7 @@ def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
 def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: int | None = None,
         tn: int | None = None, activation: str = "none", interleaved: bool = False, alpha: float = 1.702,
         limit: float = 7.0, bias=None, rhs_scale=None, chip: str | None = None,
-        vmem_limit_bytes: int | None = None):
+        vmem_limit_bytes: int | None = None, chunk: int | None = None):
     """out[rows of group i] = epilogue(lhs[rows] @ rhs[i]); rows past sum(group_sizes) are 0.
 
     rhs is [g, k, n], or [g, n, k] with ``transposed`` (transformers' layout, used as is). With a
@@ -488,7 +551,8 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
     (``QUANT_DTYPES``, transposed; fp8 and int8 not interleaved) and is dequantized in VMEM to lhs's
     dtype, once per weight block (HBM moves the quantized bytes and the scales only). MXFP4 (uint8) rhs is
     [g, k/2, n] (not ``transposed``: byte row r holds inputs 2r and 2r + 1) with e8m0 scales [g, >= k/32, n],
-    one weight block per step (plain, or interleaved gate/up).
+    one weight block per step (plain, or interleaved gate/up). ``chunk``: rows per iteration of the loop
+    over a group's rows in a tile (default ``gmm_chunk_rows``; tm: the whole tile at once).
     No validation here: ``ragged_dot`` and the experts op validate their inputs.
     """
     m, k = lhs.shape
@@ -523,6 +587,11 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
             tn = n
     if n_w == 2 and n % tn:  # the up block sits n/tn blocks after the gate block
         raise ValueError(f"a fused [gate; up] activation needs tn to divide the half width n/2={n}, got tn={tn}")
+    chunk = chunk or gmm_chunk_rows(m, g, tm)
+    sub = _sublanes(lhs.dtype)
+    if tm % sub or chunk % sub or chunk > tm:
+        raise ValueError(f"gmm: tm={tm} and chunk={chunk} must be multiples of {sub} (lhs is {lhs.dtype}), "
+                         "chunk at most tm")
     tiles_n = -(-n // tn)
     up_off = n // tn if n_w == 2 else 0
     wn = 2 * tn if interleaved else tn  # weight columns per block
@@ -584,10 +653,10 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
 
     inb, outb = lhs.dtype.itemsize, out_dtype.itemsize
     if vmem_limit_bytes is None:
-        need = gmm_vmem_bytes(tm, tn, k, inb, outb, 2 if gated else 1, quantized=quant is not None) + (
+        need = gmm_vmem_bytes(tm, tn, k, inb, outb, 2 if gated else 1, quantized=quant is not None, chunk=chunk) + (
             4 * tm * wn * 4 if interleaved else 0) + (2 * operands[-1].size * 4 if quant and quant[0] == "channel" else 0)
         vmem_limit_bytes = int(min(max(need * 1.25 + 4 * MiB, 32 * MiB), _chip(chip).vmem_bytes * 0.9))
-    kernel = functools.partial(_gmm_kernel, tm=tm, tn=tn, num_groups=g, transposed=transposed, activation=activation,
+    kernel = functools.partial(_gmm_kernel, tm=tm, tn=tn, chunk=chunk, num_groups=g, transposed=transposed, activation=activation,
                                interleaved=interleaved, alpha=float(alpha), limit=float(limit),
                                has_bias=bias is not None, quant=quant)
     wb = rhs.dtype.itemsize
@@ -815,16 +884,7 @@ def _moe_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, x_ref, 
     def _compute():
         start, end = offsets[grp], offsets[grp + 1]
 
-        # MXU work only for the rows of this group: a loop over chunks from the native tile holding its
-        # first row (so a decode group of a few rows takes one small chunk wherever it starts), the last
-        # chunk pulled back inside the tile (rows it repeats are written again, with the same values)
-        sub = _sublanes(x_ref.dtype)
-        lo = jnp.clip(start - tile * tm, 0, tm)  # the group's rows in this tile: [lo, hi)
-        hi = jnp.clip(end - tile * tm, 0, tm)
-        first_row = jnp.minimum(lax.div(lo, jnp.int32(sub)) * sub, tm - chunk)
-
-        def chunk_rows(c, carry):
-            r0 = pl.multiple_of(jnp.minimum(first_row + c * chunk, tm - chunk), sub)
+        def chunk_rows(r0):  # MXU work only for chunks holding rows of this group
             rows = pl.ds(r0, chunk)
             x = x_ref[rows, :]
             ys = [lax.dot_general(x, w(), dims, preferred_element_type=jnp.float32) for w in weights]
@@ -842,10 +902,9 @@ def _moe_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, x_ref, 
             r = tile * tm + r0 + lax.broadcasted_iota(jnp.int32, y.shape, 0)
             mine = jnp.logical_and(r >= start, r < end)
             out_ref[rows, :] = jnp.where(mine, y.astype(out_ref.dtype), out_ref[rows, :])
-            return carry
 
-        n = jnp.int32(chunk)
-        lax.fori_loop(0, lax.div(hi - first_row + n - 1, n), chunk_rows, 0)
+        _for_group_rows(jnp.clip(start - tile * tm, 0, tm), jnp.clip(end - tile * tm, 0, tm), tm=tm, chunk=chunk,
+                        sub=_sublanes(x_ref.dtype), body=chunk_rows)
 
 
 def moe_vmem_bytes(tm, chunk, h, i, in_bytes, out_bytes, w_bytes=None):
@@ -855,18 +914,6 @@ def moe_vmem_bytes(tm, chunk, h, i, in_bytes, out_bytes, w_bytes=None):
     quant = 3 * h * i * in_bytes + 2 * 256 * max(h, i) * 4 if w_bytes < in_bytes else 0
     return (2 * tm * h * in_bytes + 2 * 3 * h * i * w_bytes + 2 * tm * h * out_bytes
             + chunk * (2 * i + i + h) * 4 * 2 + 8 * (2 * i + h) * 4 + quant)
-
-
-def moe_chunk_rows(m: int, groups: int | None) -> int:
-    """Rows per iteration of the fused kernel's chunk loop. Every iteration pushes the three weight slabs
-    through the MXU whole, but its result pops, adds and masks scale with its rows: when groups average
-    few rows (decode: Qwen3 at 64 tokens has 4), the smallest chunk that holds an average group in one
-    iteration from the native tile where it starts (32 rows: any group of up to 17 bf16 rows). Compiled
-    for v6e, Qwen3 at 64 tokens, bf16: 3249 bundles an iteration against 3610 at 128 rows, 96 vmatmuls
-    per MXU against 384; the bigger gain is for quantized slabs converted in the dots (``dequantize_in_dots``),
-    which the scheduler then interleaves with fewer pops."""
-    avg = -(-m // groups) if groups else m
-    return 32 if avg <= 16 else 64 if avg <= 48 else 128
 
 
 def dequantize_in_dots(m: int, groups: int, chunk: int, w_dtype, chip: str | None) -> bool:
@@ -885,13 +932,13 @@ def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True
                      w_dtype=None, groups=None):
     """(tm, chunk) for the fused expert MLP, or None when it does not fit (then use two gmm calls):
     each expert's gate, up and down slabs must sit in VMEM whole, double-buffered (``w_dtype``:
-    quantized weights, also held dequantized); ``groups``: the number of experts (``moe_chunk_rows``)."""
+    quantized weights, also held dequantized); ``groups``: the number of experts (``group_chunk_rows``)."""
     spec = _chip(chip)
     sub = _sublanes(in_dtype)
     if not transposed and not interleaved and i % 128:
         return None  # [E, H, 2I] with a half width off the lane grid cannot be split in two blocks
     tm = min(512, _round_up(max(m, 1), sub))
-    chunk = min(tm, moe_chunk_rows(m, groups))
+    chunk = min(tm, group_chunk_rows(m, groups))
     budget = int(spec.vmem_bytes * 0.6)  # measured: Gemma-4 26B-A4B experts compile on TPU7x at this budget
     wb = jnp.dtype(w_dtype or in_dtype).itemsize
     need = lambda tm: moe_vmem_bytes(tm, chunk, h, i, jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize, wb)  # noqa: E731
