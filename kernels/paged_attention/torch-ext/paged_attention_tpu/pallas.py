@@ -218,7 +218,8 @@ def work_items(cu_q_lens, num_tiles: int, block_q: int):
 
 def _udiv(a, b: int):
     """a // b for non-negative int32 a, as unsigned division: for the small arrays around the kernels
-    (at one sequence, scalars XLA computes op by op) one op where signed division takes six."""
+    (at one sequence, scalars XLA computes op by op) three ops (two bitcasts and a shift, for a power of
+    two) where signed division takes six."""
     return jax.lax.bitcast_convert_type(jax.lax.div(jax.lax.bitcast_convert_type(a, jnp.uint32), jnp.uint32(b)),
                                         jnp.int32)
 
@@ -243,9 +244,8 @@ def _round_up(x: int, m: int) -> int:
 
 
 def _div(a, b):
-    """Division of non-negative ints (truncating). jnp's floor division lowers through sign(): in a
-    kernel Mosaic cannot lower that without a TPU to ask the generation of, and around one it is
-    several more XLA ops."""
+    """Division of non-negative ints (truncating), in kernels: jnp's floor division lowers through
+    sign(), which Mosaic cannot lower without a TPU to ask the generation of."""
     return jax.lax.div(jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
 
 
@@ -535,7 +535,7 @@ def vmem_estimate(rows, hkv, d, page, pages_per_block, dtype) -> int:
     """VMEM bytes of the blocks and scratch, with the (sublane, 128) tile padding the TPU applies."""
     item = jnp.dtype(dtype).itemsize
     sub = 8 * (4 // item)
-    pad = lambda n, m: -(-n // m) * m  # noqa: E731
+    pad = _round_up
     lanes = pad(d, 128)
     kv = 2 * 2 * pad(pages_per_block * page * hkv, sub) * lanes * item  # K and V, two slots, dense rows
     qo = 2 * 2 * hkv * pad(rows, sub) * lanes * item  # q and o blocks, double-buffered
