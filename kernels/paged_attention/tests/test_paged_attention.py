@@ -156,6 +156,26 @@ def test_quantized_cache_matches_dense_reference(load_kernel, name, dtype):
     check(k, args, k_scale=ks, v_scale=vs, **static)
 
 
+@pytest.mark.parametrize("b11", [True, False], ids=["e4m3b11fnuz-unpack", "e4m3fn-conversion"])
+@pytest.mark.parametrize("hkv", [2, 1])
+def test_fp8_cache_every_code_in_both_conversions(load_kernel, monkeypatch, b11, hkv):
+    """Every finite float8_e4m3fn byte (subnormals and -0 included) in the cache, read through the
+    e4m3b11fnuz unpack (v5e, v6e) or the e4m3fn conversion (TPU7x), against dense attention over the
+    dequantized cache: K/V bytes cycle through the 254 finite codes, per-head scales of 1/64 and 1/128.
+    With one KV head the rows are read whole (no 32-bit word extraction)."""
+    k = load_kernel("paged_attention")
+    monkeypatch.setattr(k.pallas, "reads_e4m3_as_b11", lambda chip=None: b11)
+    jax.clear_caches()  # jit would reuse the other conversion's trace: the choice is made while tracing
+    q, kp, vp, lens, table, cu, sk = make_case([1, 3, 1], [70, 40, 33], hq=2 * hkv, hkv=hkv)
+    codes = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
+    n = kp.size
+    kq = codes[np.arange(n) % codes.size].reshape(kp.shape).view(jnp.float8_e4m3fn)
+    vq = codes[(np.arange(n) * 7 + 3) % codes.size].reshape(vp.shape).view(jnp.float8_e4m3fn)
+    assert (kq.view(np.uint8) == 0x80).any() and (vq.view(np.uint8) == 0x01).any()
+    ks = jnp.asarray([1 / 64, 1 / 128][:hkv], jnp.float32)
+    check(k, (q, jnp.asarray(kq), jnp.asarray(vq), lens, table, cu, sk), k_scale=ks, v_scale=ks[::-1])
+
+
 def test_quantized_scales_are_per_kv_head(load_kernel):
     """Swapping two heads' scales changes exactly those heads' outputs: the check can fail."""
     k = load_kernel("paged_attention")

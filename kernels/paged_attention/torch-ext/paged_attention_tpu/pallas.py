@@ -24,7 +24,8 @@ item copies its own row into SMEM (a 256-sequence x 32k-token table does not fit
 Queries are regrouped by the wrapper to [Hkv, T*G, D] (G = Hq/Hkv) so each head's block is 2-D.
 
 Quantized caches (float8_e4m3fn, int8). HBM holds and the DMAs move the 1-byte values; in VMEM each
-head's chunk is converted to q's dtype (exact: every e4m3 and int8 value is a bf16 value) and the
+head's chunk is converted to q's dtype (exact: every e4m3 and int8 value is a bf16 value; fp8 through
+e4m3b11fnuz on v5e and v6e, ``reads_e4m3_as_b11``) and the
 scales, one per KV head, are folded into f32 scalars: scores take scale * k_scale[h], the finished
 output row is multiplied by v_scale[h]. That is exactly attention over the dequantized cache, with
 the same bf16/f32 math as an unquantized cache. ``write_kv`` quantizes the new rows (``quantize``).
@@ -47,6 +48,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import _attention_math as am
 from ._bridge import check_array, dtype_name, host_values
+from ._chips import tpu_generation
 
 KV_DTYPES = ("float32", "bfloat16")  # q, sinks, unquantized caches, new K/V
 QUANTIZED_DTYPES = ("float8_e4m3fn", "int8")
@@ -239,6 +241,19 @@ def sanitize_cu(cu_q_lens, t):
 
 # --------------------------------------------------------------------------- the kernel
 
+def current_chip() -> str | None:
+    """The TPU generation compiled for (``_chips.tpu_generation``); None off TPU."""
+    return tpu_generation()
+
+
+def reads_e4m3_as_b11(chip: str | None = None) -> bool:
+    """Whether fp8 K/V rows are converted through e4m3b11fnuz (``_values``): on v5e and v6e, which unpack no
+    other fp8 of 4 exponent bits, Mosaic's e4m3fn conversion takes 4 compares and 4 selects per bf16 vreg
+    (Qwen3 decode B=64 page 16 on v6e, modelled: 547.8 -> 478.9 us), and on an unknown chip (right
+    everywhere); not on TPU7x, which converts e4m3fn itself (the other way measured 4.4x slower there)."""
+    return (chip or current_chip()) != "tpu7x"
+
+
 def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
@@ -253,7 +268,8 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
             q_ref, table_hbm, k_hbm, v_hbm, sinks_ref, scales_ref,  # inputs
             o_ref,  # output block [Hkv, R, D]
             table_smem, state, kbuf, vbuf, sems, table_sems, m_ref, l_ref, acc_ref,  # scratch
-            *, pps, scale, window, softcap, block_q, group, pages_per_block, block_sizes, has_sinks, quantized):
+            *, pps, scale, window, softcap, block_q, group, pages_per_block, block_sizes, has_sinks, quantized,
+            e4m3_b11):
     item, num_items = pl.program_id(0), pl.num_programs(0)
     seq = item_seq_ref[item]
     num_pages, page = k_hbm.shape[0], k_hbm.shape[1] // o_ref.shape[0]
@@ -437,9 +453,9 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
                         # so that 0 * garbage cannot give NaN.
                         v_ok = chunk_start + start + _token_order(hkv, itemsize, sub, (sub, 1), 0) < kv_end
                     for h in range(hkv):
-                        k, v = _head_rows(kbuf, slot, h, hkv, start, sub), _head_rows(vbuf, slot, h, hkv, start, sub)
+                        k, v = (_head_rows(buf, slot, h, hkv, start, sub, e4m3_b11) for buf in (kbuf, vbuf))
                         if quantized:  # dequantize in VMEM: exact in q's dtype, k_scale joins the score scale
-                            k, v = k.astype(q_ref.dtype), v.astype(q_ref.dtype)
+                            k, v = _values(k, q_ref.dtype), _values(v, q_ref.dtype)
                         if masked:
                             v = jnp.where(v_ok, v, 0)
                         k_scale = scale * scales_ref[h] if quantized else scale
@@ -485,9 +501,9 @@ def _word_runs(hkv: int, itemsize: int) -> int:
     return 1 if hkv == 1 else pack // math.gcd(hkv, pack)
 
 
-def _head_rows(buf, slot, h, hkv, start, n):
-    """KV head h of tokens [start, start + n) of the chunk in ``slot``, [n, D] in buf's dtype, from dense
-    rows (token, head).
+def _head_rows(buf, slot, h, hkv, start, n, e4m3_b11: bool = False):
+    """KV head h of tokens [start, start + n) of the chunk in ``slot``, [n, D] in buf's dtype (``e4m3_b11``:
+    an e4m3fn cache's bytes as e4m3b11fnuz, -0 cleared; see ``_values``), from dense rows (token, head).
 
     Pages [page, Hkv, D] land as page * Hkv dense rows (no head padded to a sublane tile); head h is
     rows h, h + Hkv, ..., read as 32-bit words by strided sublane loads (Mosaic takes those on 32-bit
@@ -508,9 +524,24 @@ def _head_rows(buf, slot, h, hkv, start, n):
         first = b * hkv + h  # dense row of head h of token b
         w = words[pl.ds(first // pack, n // runs, stride=runs * hkv // pack), :]
         bits = 32 // pack
-        w = (w >> (bits * (first % pack))).astype(jnp.dtype(f"uint{bits}"))
-        parts.append(pltpu.bitcast(w, buf.dtype))
+        w = w >> (bits * (first % pack))
+        dtype = buf.dtype
+        if e4m3_b11:  # read as e4m3b11fnuz (``_values``), -0 cleared: 0x80 is its NaN
+            w, dtype = jnp.where((w & np.uint32(0xFF)) == 0x80, np.uint32(0), w), jnp.float8_e4m3b11fnuz
+        parts.append(pltpu.bitcast(w.astype(jnp.dtype(f"uint{bits}")), dtype))
     return parts[0] if runs == 1 else jnp.concatenate(parts, axis=0)
+
+
+def _values(x, dtype):
+    """Cached K/V rows (``_head_rows``) as values in ``dtype``, exactly. fp8 rows may come as e4m3b11fnuz,
+    which every TPU unpacks (v5e and v6e no other fp8 of 4 exponent bits): it reads an e4m3fn byte as its
+    value / 16, except -0 (its NaN: ``_head_rows`` clears it) and e4m3fn's NaN codes (+-30 there, so +-480
+    here: ``write_kv`` saturates finite rows at +-448, so only a NaN row gives them). Mosaic's own e4m3fn
+    conversion takes 4 compares and 4 selects per bf16 vreg on v6e; this one multiply (exact, a power of
+    two)."""
+    if x.dtype == jnp.float8_e4m3b11fnuz:
+        return x.astype(dtype) * jnp.asarray(16, dtype)
+    return x.astype(dtype)
 
 
 def _token_order(hkv, itemsize, n, shape, axis):
@@ -605,7 +636,7 @@ def ragged_paged_attention(
     kernel = functools.partial(
         _kernel, pps=pps, scale=am.resolve_scale(scale, d), window=int(window), softcap=float(softcap), block_q=bq, group=group,
         pages_per_block=pages_per_block, block_sizes=_block_sizes(rows, q.dtype), has_sinks=sinks is not None,
-        quantized=quantized)
+        quantized=quantized, e4m3_b11=quantized and k_pages.dtype == jnp.float8_e4m3fn and reads_e4m3_as_b11())
     block = pl.BlockSpec((hkv, rows, d), lambda i, lens, cu, tiles, seqs: (0, tiles[i], 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     vmem = vmem_estimate(rows, hkv, d, page, pages_per_block, k_pages.dtype)
