@@ -61,3 +61,29 @@ def test_fused_moe_v1_counts_follow_its_routing():
                  for i in range(blocks))
     assert step.iterations[2] == chunks
     assert call.flops >= 2 * 64 * 2 * 3 * 256 * 256  # at least the useful work (chunks are padded)
+
+
+def test_fused_moe_v1_takes_our_int8_weights_as_its_per_channel_scales():
+    """The int8 rows hand fused_moe the same quantization as ours (one scale per output channel, as
+    its sub-channel scales of a whole input): its own reference on them matches the dequantized layer,
+    and the counted weight bytes are the int8 bytes plus the f32 scales."""
+    from pallas_hub.bench import runner
+
+    c = problems._moe_check(6, "int8")
+    args = runner._moe_fused_layout(*c.args)
+    x, logits, w1, w2, w1_scale, w2_scale = args
+    assert w1.dtype == jnp.int8 and w1_scale.shape == (8, 2, 1, 1, 128) and w2_scale.shape == (8, 1, 1, 256)
+    out = runner._fused_moe_reference(*args, chip="v6e", **c.kwargs)
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - c.reference)))
+    assert err < c.tol * float(jnp.max(jnp.abs(c.reference)))
+    wrong = runner._fused_moe_reference(*args[:4], w1_scale, w2_scale * 2, chip="v6e", **c.kwargs)
+    assert float(jnp.max(jnp.abs(wrong.astype(jnp.float32) - c.reference))) > 10 * err  # the scales are used
+
+    _, ids, _ = problems.routing(64, 8, 2, seed=1)
+    reads = {}
+    for wb in (2, 1):
+        cost = anchors.fused_moe_v1_cost(ids, 256, 256, 8, "fused-moe", weight_bytes=wb, channel_scales=wb == 1)
+        blocks = 64 // anchors.fused_moe_v1_blocks(64, 256, 256, 8, 2, weight_bytes=wb)["bt"]
+        reads[wb] = cost.calls[0].step_types[0].dma_read[2] / (blocks * 8)  # per expert and token block
+    # the same token rows both times; the weights 3 x 256 x 256 at 2 and at 1 byte, plus 2I + H f32 scales
+    assert reads[2] - reads[1] == 3 * 256 * 256 * 2 - (3 * 256 * 256 + (2 * 256 + 256) * 4)

@@ -2,26 +2,15 @@
 1 to 8192 tokens) through the path transformers runs (`experts`, the fused expert MLP), beside megablox,
 tokamax and vLLM TPU's grouped matmuls and fused_moe; and with fp8, int8 and MXFP4 weights as stored."""
 
-import contextlib
-
 import jax
 import jax.numpy as jnp
 
-from pallas_hub.hub.declarations import BenchImpl
+from pallas_hub.hub.declarations import BenchImpl, chip_answered
 
 FAMILY = "moe"
 
 
 def implementation(kernel):
-    @contextlib.contextmanager
-    def chip_context(chip):  # the kernel tiles for the generation it runs on: answer for the modelled one
-        saved = kernel.pallas.current_chip
-        kernel.pallas.current_chip = lambda: chip
-        try:
-            yield
-        finally:
-            kernel.pallas.current_chip = saved
-
     def prepare(x, ids, weights, gate_up, down, logits, *scales, params):
         """The weights as transformers stores them for the model: GptOssExperts' [E, H, 2I] with gate
         and up in alternate columns and [E, I, H] (on TPU, [E, 2I, H] with H = 2880 off the lane grid
@@ -46,5 +35,6 @@ def implementation(kernel):
         return kernel.experts.experts(x, ids, weights, gate_up, down, gate_up_scale=gate_up_scale,
                                       down_scale=down_scale, is_transposed=stored, interleaved=stored)
 
-    return BenchImpl(fn, per_chip=True, prepare=prepare, context=chip_context,
+    # the kernel tiles (and converts fp8) for the generation it runs on: answer for the modelled one
+    return BenchImpl(fn, per_chip=True, prepare=prepare, context=chip_answered(kernel.pallas),
                      formats=("bf16", "fp8", "int8", "mxfp4"))

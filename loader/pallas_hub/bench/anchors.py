@@ -158,10 +158,20 @@ def gmm_tilings(m: int, k: int, n: int, vmem_limit: int) -> list[tuple[int, int,
 DEFAULT_SCOPED_VMEM = {"v5e": 16 << 20, "v6e": 32 << 20, "tpu7x": 32 << 20}
 
 
-def fused_moe_v1_layer(mesh, x, router_logits, w1, w2, *, top_k: int):
+def _subchannel_scales(w1, w2, w1_scale, w2_scale) -> dict:
+    """fused_moe's quantization keywords: its scales are per output column and per ``subc`` inputs
+    (w1_scale [E, 2, H / subc, 1, I], w2_scale [E, I / subc, 1, H]); per channel is subc = H (or I)."""
+    if w1_scale is None:
+        return {}
+    return dict(w1_scale=w1_scale, w2_scale=w2_scale, subc_quant_w1_sz=w1.shape[2] // w1_scale.shape[2],
+                subc_quant_w2_sz=w2.shape[1] // w2_scale.shape[1])
+
+
+def fused_moe_v1_layer(mesh, x, router_logits, w1, w2, w1_scale=None, w2_scale=None, *, top_k: int):
     """vLLM TPU's fused_moe v1 on one device (a 1 x 1 mesh, no expert parallelism): routing by
     softmax top-k of the logits (renormalised, as Qwen3), SiLU experts, the weighted sum.
-    Weights [E, 2, H, I] and [E, I, H]; tokens padded to an even count (bf16 packing)."""
+    Weights [E, 2, H, I] and [E, I, H] (bf16, or quantized with sub-channel scales); tokens padded
+    to an even count (bf16 packing)."""
     from . import vllm_tpu
 
     t = x.shape[0]
@@ -170,27 +180,30 @@ def fused_moe_v1_layer(mesh, x, router_logits, w1, w2, *, top_k: int):
         x = jnp.pad(x, ((0, pad), (0, 0)))
         router_logits = jnp.pad(router_logits, ((0, pad), (0, 0)))
     out = vllm_tpu.fused_moe_v1().fused_ep_moe(mesh, x, w1, w2, router_logits.astype(x.dtype), top_k,
-                                               renormalize_topk_logits=True, act_fn="silu", scoring_fn="softmax")
+                                               renormalize_topk_logits=True, act_fn="silu", scoring_fn="softmax",
+                                               **_subchannel_scales(w1, w2, w1_scale, w2_scale))
     return out[:t]
 
 
-def fused_moe_v1_reference(mesh, x, router_logits, w1, w2, *, top_k: int):
+def fused_moe_v1_reference(mesh, x, router_logits, w1, w2, w1_scale=None, w2_scale=None, *, top_k: int):
     """fused_moe v1's own plain-JAX reference (``ref_moe``) on the same inputs and settings."""
     from . import vllm_tpu
 
     return vllm_tpu.fused_moe_v1().ref_moe(x, w1, w2, router_logits.astype(x.dtype), top_k,
-                                           renormalize_topk_logits=True, act_fn="silu", scoring_fn="softmax")
+                                           renormalize_topk_logits=True, act_fn="silu", scoring_fn="softmax",
+                                           **_subchannel_scales(w1, w2, w1_scale, w2_scale))
 
 
-def fused_moe_v1_blocks(tokens: int, hidden: int, inter: int, experts: int, top_k: int) -> dict:
-    """The block sizes fused_moe v1 uses for this problem (its tuned table, else its default)."""
+def fused_moe_v1_blocks(tokens: int, hidden: int, inter: int, experts: int, top_k: int, weight_bytes: int = 2) -> dict:
+    """The block sizes fused_moe v1 uses for this problem (its tuned table, else its default), for
+    weights of ``weight_bytes`` an element (per-channel scales: no sub-channel override)."""
     from . import vllm_tpu
 
     vllm_tpu.install()
     from tpu_inference.kernels.fused_moe.v1 import tuned_block_sizes as tb
 
     t = tokens + tokens % 2
-    bt, bf, bd1, bd2, btc, bfc, bd1c, bd2c = tb.get_tuned_block_sizes(hidden, inter, experts, top_k, 2, 2, t, 1)
+    bt, bf, bd1, bd2, btc, bfc, bd1c, bd2c = tb.get_tuned_block_sizes(hidden, inter, experts, top_k, 2, 4 // weight_bytes, t, 1)
     if t <= 2 * 8:
         bt = btc = t
     bt = min(t, bt)
@@ -198,7 +211,8 @@ def fused_moe_v1_blocks(tokens: int, hidden: int, inter: int, experts: int, top_
     return dict(tokens=t, bt=bt, bf=bf, bd1=bd1, bd2=bd2, btc=btc, bfc=bfc, bd1c=bd1c, bd2c=bd2c)
 
 
-def fused_moe_v1_cost(top_k_index: np.ndarray, hidden: int, inter: int, experts: int, name: str):
+def fused_moe_v1_cost(top_k_index: np.ndarray, hidden: int, inter: int, experts: int, name: str,
+                      weight_bytes: int = 2, channel_scales: bool = False):
     """What fused_moe v1 moves and computes for a routing, counted from its source
     (tpu-inference 0.32.0 ``kernels/fused_moe/v1/kernel.py``, one device): it routes inside the
     kernel from vector data, which ``costmodel.estimate`` cannot follow.
@@ -208,11 +222,12 @@ def fused_moe_v1_cost(top_k_index: np.ndarray, hidden: int, inter: int, experts:
     scattered in by one-row DMAs, both matmuls run in ``btc``-row chunks (a loop per (bf, bd) block
     with cdiv(expert tokens, btc) trips), the results gathered out to an HBM buffer; then the block's
     top-k rows are read back, weighted and written out. Loops are listed in program order (as the
-    kernel's jaxpr has them) so the compiled schedule joins them."""
+    kernel's jaxpr has them) so the compiled schedule joins them. Quantized: ``weight_bytes`` an
+    element and, with ``channel_scales``, one f32 scale per output column fetched beside them."""
     from .costmodel import CallCost, Cost, LoopInfo, StepType
 
     t0, k = top_k_index.shape
-    b = fused_moe_v1_blocks(t0, hidden, inter, experts, k)
+    b = fused_moe_v1_blocks(t0, hidden, inter, experts, k, weight_bytes)
     t, bt, btc = b["tokens"], b["bt"], b["btc"]
     num_bt, num_bf, num_bd1, num_bd2 = t // bt, inter // b["bf"], hidden // b["bd1"], hidden // b["bd2"]
     ids = np.concatenate([top_k_index, np.zeros((t - t0, k), top_k_index.dtype)]).astype(np.int64)
@@ -223,7 +238,7 @@ def fused_moe_v1_cost(top_k_index: np.ndarray, hidden: int, inter: int, experts:
         ffn += [(False, 2 * btc * b["bf"] * b["bd2"])] * num_bd2
     loops += [LoopInfo(1, None, False) for _ in ffn]
     row = hidden * 2  # bytes of one bf16 token row
-    weights = 3 * hidden * inter * 2
+    weights = 3 * hidden * inter * weight_bytes + (2 * inter + hidden) * 4 * channel_scales
     padded_e = -(-experts // 128) * 128
     iters = [num_bt, num_bt * experts] + [0] * len(ffn)
     flops = [0, 0, 0] + [0] * len(ffn)

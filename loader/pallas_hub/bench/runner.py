@@ -101,14 +101,22 @@ def _moe_gmm_layout(x, ids, w, gate_up, down, logits, params=None):
     return x, ids, w, _transpose(gate_up, (0, 2, 1)), _transpose(down, (0, 2, 1))
 
 
-def _moe_fused_layout(x, ids, w, gate_up, down, logits, params=None):
-    """fused_moe v1's inputs: tokens, router logits, w1 [E, 2, H, I], w2 [E, I, H]."""
+def _moe_fused_layout(x, ids, w, gate_up, down, logits, gate_up_scale=None, down_scale=None, params=None):
+    """fused_moe v1's inputs: tokens, router logits, w1 [E, 2, H, I], w2 [E, I, H]; int8 per-channel
+    scales as its sub-channel scales of one channel's whole input (w1_scale [E, 2, 1, 1, I], w2_scale
+    [E, 1, 1, H]: the same quantization as ours)."""
     def w1(a):  # [E, 2I, H] -> [E, 2, I, H] -> [E, 2, H, I]
         e, i2, h = a.shape
         return jnp.transpose(a.reshape(e, 2, i2 // 2, h), (0, 1, 3, 2))
 
     w1s = _map(gate_up, w1, lambda s: (s[0], 2, s[2], s[1] // 2))
-    return x, logits, w1s, _transpose(down, (0, 2, 1))
+    out = (x, logits, w1s, _transpose(down, (0, 2, 1)))
+    if gate_up_scale is None:
+        return out
+    e, i2 = gate_up_scale.shape
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    return out + (_map(gate_up_scale, lambda a: f32(a).reshape(e, 2, 1, 1, i2 // 2), lambda s: (e, 2, 1, 1, i2 // 2)),
+                  _map(down_scale, lambda a: f32(a).reshape(e, 1, 1, -1), lambda s: (e, 1, 1, s[1])))
 
 
 def _moe_anchor(grouped_matmul_of, mask_rows=False):
@@ -211,7 +219,7 @@ def anchor_impls(families) -> list[Impl]:
                  prepare=_moe_gmm_layout, context=vllm_tpu.chip, note="tpu-inference's tuned block sizes"),
             Impl("vLLM TPU fused_moe v1", "anchor", "moe", _fused_moe_fn, prepare=_moe_fused_layout,
                  context=vllm_tpu.chip, cost=_fused_moe_cost, reference=_fused_moe_reference, needs_device=True,
-                 note="routing, experts and weighted sum in one kernel; its block sizes"),
+                 formats=("bf16", "int8"), note="routing, experts and weighted sum in one kernel; its block sizes"),
         ]
     if "prefill" in families:
         out += [
@@ -242,22 +250,24 @@ def _anchor_fn(f):
     return fn
 
 
-def _fused_moe_fn(x, logits, w1, w2, *, chip, device=None, top_k):
+def _fused_moe_fn(x, logits, w1, w2, *scales, chip, device=None, top_k):
     import numpy as onp
 
     device = device or jax.devices()[0]
     mesh = jax.sharding.Mesh(onp.array([device]).reshape(1, 1), ("data", "model"))
-    return anchors.fused_moe_v1_layer(mesh, x, logits, w1, w2, top_k=top_k)
+    return anchors.fused_moe_v1_layer(mesh, x, logits, w1, w2, *scales, top_k=top_k)
 
 
-def _fused_moe_reference(x, logits, w1, w2, *, chip, top_k):
-    return anchors.fused_moe_v1_reference(None, x, logits, w1, w2, top_k=top_k)
+def _fused_moe_reference(x, logits, w1, w2, *scales, chip, top_k):
+    return anchors.fused_moe_v1_reference(None, x, logits, w1, w2, *scales, top_k=top_k)
 
 
 def _fused_moe_cost(problem: Problem, chip: str, options: dict):
     p = problem.params
+    quantized = p["format"] != "bf16"
     return anchors.fused_moe_v1_cost(np.asarray(problem.args[1]), p["hidden"], p["intermediate"], p["experts"],
-                                     "fused-moe")
+                                     "fused-moe", weight_bytes=problem.args[3].dtype.itemsize,
+                                     channel_scales=quantized)
 
 
 def _jax_paged_layout(q, new_k, new_v, k_pages, v_pages, lengths, table, params=None):

@@ -33,6 +33,7 @@ ships, for ``kernels benchmark``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import sys
@@ -56,6 +57,22 @@ class BenchImpl:
     context: Callable | None = None  # chip -> a context manager the kernel is traced in (e.g. its chip answered)
     donate: tuple = ()  # argument positions the layer updates in place (the decode caches)
     formats: tuple = ("bf16",)  # the storage formats of the family's problems it takes (quantized: scales appended)
+
+
+def chip_answered(module: ModuleType) -> Callable:
+    """A ``BenchImpl.context`` for a kernel that asks ``module.current_chip()`` which TPU generation it
+    runs on (to tile, or to pick a conversion): traced for a modelled chip, it is told that one."""
+
+    @contextlib.contextmanager
+    def context(chip: str):
+        saved = module.current_chip
+        module.current_chip = lambda: chip
+        try:
+            yield
+        finally:
+            module.current_chip = saved
+
+    return context
 
 
 @dataclasses.dataclass

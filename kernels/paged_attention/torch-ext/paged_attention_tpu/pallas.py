@@ -533,8 +533,9 @@ def _head_rows(buf, slot, h, hkv, start, n, e4m3_b11: bool = False):
 
 
 def _values(x, dtype):
-    """Cached K/V rows (``_head_rows``) as values in ``dtype``, exactly. fp8 rows may come as e4m3b11fnuz,
-    which every TPU unpacks (v5e and v6e no other fp8 of 4 exponent bits): it reads an e4m3fn byte as its
+    """Cached K/V rows (``_head_rows``) as values in ``dtype``, exactly. fp8 rows come as e4m3b11fnuz on
+    v5e and v6e (``reads_e4m3_as_b11``: their only fp8 of 4 exponent bits; TPU7x converts e4m3fn natively,
+    and e4m3b11fnuz compiled there took 4.4x as long in the model): it reads an e4m3fn byte as its
     value / 16, except -0 (its NaN: ``_head_rows`` clears it) and e4m3fn's NaN codes (+-30 there, so +-480
     here: ``write_kv`` saturates finite rows at +-448, so only a NaN row gives them). Mosaic's own e4m3fn
     conversion takes 4 compares and 4 selects per bf16 vreg on v6e; this one multiply (exact, a power of
