@@ -332,8 +332,48 @@ def test_mxfp4_gpt_oss_experts_match_dequantized_reference(load_kernel, dtype, s
     assert not chunks or calls == [16, 16]  # both projections ran the chunk loop
 
 
+@pytest.mark.parametrize("mode", ["fast", "strict"])
+@pytest.mark.parametrize("dtype,chip", [("float32", "v5e"), ("bfloat16", "v5e"), ("bfloat16", "v6e")])
+def test_mxfp4_gmm_decodes_in_the_dots_as_in_scratch(load_kernel, dtype, chip, mode):
+    """gmm on MXFP4 weights [g, k/2, n] both ways: decoded inside each chunk's dots (``in_dots``: a loop
+    over 128-byte-row pieces plus a 32-row rest, per 256-column piece plus a 44-column rest) and once per
+    block into scratch, in 32-row tiles of 16-row chunks: groups of 7 rows, none, 21 (straddling a tile)
+    and 3, rows past the groups; f32 and bf16 (packed bf16 products on v6e). Against NumPy's dequantized
+    matmul, rounded to the output dtype."""
+    P = load_kernel("ragged_dot").pallas
+    rng = np.random.default_rng(12)
+    g, k, n, m = 4, 320, 300, 40
+    blocks = rng.integers(0, 256, (g, k // 2, n)).astype(np.uint8)
+    scales = rng.integers(122, 130, (g, 32, n)).astype(np.uint8)  # k/32 = 10 rows, padded to 32 (any value)
+    scales[:, k // 32:] = 255
+    sizes = np.array([7, 0, 21, 3], np.int32)
+    w = np.stack([FP4[blocks & 15], FP4[blocks >> 4]], 2).reshape(g, k, n)  # input 2r: row r's low nibble
+    w = w * np.exp2(np.repeat(scales[:, :k // 32].astype(np.float32), 32, 1) - 127)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x = np.asarray(jnp.asarray(x, dtype).astype(jnp.float32))
+    ref, r0 = np.zeros((m, n), np.float32), 0
+    for e, size in enumerate(sizes):
+        ref[r0:r0 + size] = x[r0:r0 + size] @ w[e]
+        r0 += size
+    # the default: in the dots for groups of up to 2 rows on average, and k/2 in whole 32-byte-row tiles
+    assert P.mxfp4_in_dots(8, g, 16, k) and not P.mxfp4_in_dots(8, g, 16, k + 32) and not P.mxfp4_in_dots(12, g, 16, k)
+    outs = []
+    for in_dots in (True, False):
+        with interpret(mode):
+            outs.append(np.asarray(P.gmm(jnp.asarray(x, dtype), jnp.asarray(blocks), jnp.asarray(sizes),
+                                         rhs_scale=jnp.asarray(scales), tm=32, chunk=16, chip=chip,
+                                         in_dots=in_dots).astype(jnp.float32)))
+    tol = 1e-5 if dtype == "float32" else 1e-2
+    for out in outs:
+        np.testing.assert_allclose(out, ref, rtol=tol, atol=tol * np.abs(ref).max())
+    with pytest.raises(ValueError, match="in_dots: MXFP4 weights with k/2 a multiple of 32"):
+        P.gmm(jnp.asarray(x[:, :k - 32], dtype), jnp.asarray(blocks[:, :k // 2 - 16]), jnp.asarray(sizes),
+              rhs_scale=jnp.asarray(scales), tm=32, chunk=16, chip=chip, in_dots=True)
+
+
 def _decode_mxfp4(k, blocks, scales, dtype, bf16_vpu=False):
-    """The kernel's MXFP4 decode of one [k/2, n] block (interpret mode): (even-input rows, odd-input rows)."""
+    """The kernel's MXFP4 decode of one [k/2, n] block (interpret mode): (even-input rows, odd-input rows),
+    times the kernel's MXFP4_UNIT (2^-14, which its f32 sums take back)."""
     from jax.experimental import pallas as pl
     from jax.experimental.pallas import tpu as pltpu
 
@@ -354,8 +394,9 @@ def _decode_mxfp4(k, blocks, scales, dtype, bf16_vpu=False):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_mxfp4_decode_every_code_and_extreme_scales(load_kernel, dtype, bf16_vpu):
     """Every byte (all 16 x 16 e2m1 code pairs) under e8m0 scales from 0 to 254 (2^-127 .. 2^127: zero,
-    subnormal and overflowing products included), against transformers' convert_moe_packed_tensors.
-    Products below the normal range may flush to zero (TPU has no subnormals); 2^127 x 4 and x 6 are inf.
+    subnormal and overflowing products included), against transformers' convert_moe_packed_tensors. The
+    decode holds weights times 2^-14 (scaled back here in f32, as the kernel's sums are): weights below 2^-112
+    may read as zero (TPU has no subnormals); 2^127 x 4 and x 6 are inf.
     K/2 = 400 byte rows: three 128-row chunks and a 16-row tail; padded scale rows are ignored. Products in f32
     or (``bf16_vpu``, for a bf16 result) in packed bf16."""
     import torch
@@ -369,7 +410,10 @@ def test_mxfp4_decode_every_code_and_extreme_scales(load_kernel, dtype, bf16_vpu
     blocks = ((blocks + rng.integers(0, 256, (1, n))) % 256).astype(np.uint8)
     scales = scale_values[np.arange(25 * n).reshape(25, n) % len(scale_values)]
     padded = np.concatenate([scales, np.full((7, n), 255, np.uint8)])  # padding rows (255: NaN if used)
-    lo, hi = (np.asarray(a, np.float32) for a in _decode_mxfp4(k, blocks, padded, getattr(jnp, dtype), bf16_vpu))
+    assert k.pallas.MXFP4_UNIT == 2.0 ** -14
+    with np.errstate(over="ignore"):
+        lo, hi = (np.asarray(a, np.float32) * np.float32(2 ** 14)
+                  for a in _decode_mxfp4(k, blocks, padded, getattr(jnp, dtype), bf16_vpu))
     # transformers: blocks [out, in/32, 16], scales [out, in/32] -> [in, out] (dequantized inputs along dim 0)
     tdt = getattr(torch, dtype)
     theirs = convert_moe_packed_tensors(torch.from_numpy(blocks.T.reshape(n, 25, 16).copy())[None],
@@ -377,17 +421,17 @@ def test_mxfp4_decode_every_code_and_extreme_scales(load_kernel, dtype, bf16_vpu
     theirs = theirs.reshape(n, kh, 2) if theirs.shape[0] == n else theirs.T.reshape(n, kh, 2)
     zero_scale = np.repeat(scales, 16, 0) == 0
     for ours, ref in ((lo, theirs[:, :, 0].T), (hi, theirs[:, :, 1].T)):
-        # s = 0 (2^-127, not a normal f32) decodes to 0; so do products below the normal range (TPU flushes them)
-        flushed = zero_scale | (np.abs(ref) < np.finfo(np.float32).tiny)
+        # s = 0 (2^-127, not a normal f32) decodes to 0; so do weights whose 2^-14 multiple is not normal
+        flushed = zero_scale | (np.abs(ref) < 2.0 ** -112)
         np.testing.assert_array_equal(ours[~flushed], ref[~flushed])
-        assert np.all((ours[flushed] == 0) | (ours[flushed] == ref[flushed])) and np.abs(ref[flushed]).max() < 2e-37
+        assert np.all((ours[flushed] == 0) | (ours[flushed] == ref[flushed])) and np.abs(ref[flushed]).max() < 2e-33
         assert np.isinf(ours).sum() == np.isinf(ref).sum() > 0 and not np.isnan(ours).any()
         assert np.all(np.signbit(ours) == np.signbit(ref))  # -0 included
     # an independent table: nibble values times 2^(s - 127) (every product exact in f64)
     vals = FP4[np.stack([blocks & 15, blocks >> 4])] * np.exp2(np.repeat(scales, 16, 0).astype(np.float64) - 127)
     with np.errstate(over="ignore"):
         vals = vals.astype(np.float32).astype(np.dtype(getattr(ml_dtypes, dtype, dtype))).astype(np.float32)
-    ok = (np.abs(vals) >= np.finfo(np.float32).tiny) & ~zero_scale
+    ok = (np.abs(vals) >= 2.0 ** -112) & ~zero_scale
     np.testing.assert_array_equal(np.stack([lo, hi])[ok], vals[ok])
     assert (np.stack([lo, hi])[~ok] == 0).all()
 

@@ -272,24 +272,58 @@ MXFP4_SCALE_ROWS = 16  # packed weight rows (bytes: 32 inputs) per e8m0 scale ro
 _MXFP4_ROWS = 128  # byte rows decoded per loop iteration (a multiple of 32: whole uint8 tiles)
 
 
+def _mxfp4_scales(s_scr, s0, nr: int, c0: int, cw: int):
+    """e8m0 scales of ``nr`` weight rows from scale row s0 (f32 in s_scr, ``_mxfp4_scale_table``), columns
+    [c0, c0 + cw): each scale row covers 16 weight rows, a sublane broadcast."""
+    s = s_scr[pl.ds(s0, nr // MXFP4_SCALE_ROWS), pl.ds(c0, cw)]
+    return jnp.broadcast_to(s[:, None, :], (nr // MXFP4_SCALE_ROWS, MXFP4_SCALE_ROWS, cw)).reshape(nr, cw)
+
+
+def _mxfp4_scale_table(s_ref, s_scr, kh: int):
+    """The e8m0 scales of a block of ``kh`` byte rows (uint8 [>= kh/16, n]) as f32 2^(s - 127) in s_scr
+    (from the exponent bits; s = 0 gives 0, TPU has no subnormals), once per weight block."""
+    sr = kh // MXFP4_SCALE_ROWS
+    s_scr[:sr, :] = lax.bitcast_convert_type(s_ref[:sr, :].astype(jnp.int32) << 23, jnp.float32)
+
+
+MXFP4_UNIT = 2.0 ** -14  # what ``_mxfp4_values`` gives for a weight of 1: the kernel scales its sums back
+
+
+def _mxfp4_values(w_ref, s_scr, r0, s0, nr: int, c0: int, cw: int, dtype, packed: bool):
+    """(even inputs' weights, odd inputs') times ``MXFP4_UNIT``, in ``dtype``, of MXFP4 byte rows
+    [r0, r0 + nr) (r0 a multiple of 32, maybe traced; s0 = r0 / 16), columns [c0, c0 + cw). The bytes are
+    read as uint32 words (8-bit integer ops do not lower on TPU), each nibble moved into a float8_e5m2 byte
+    (``_e2m1_as_e5m2``: its value times 2^-14) and converted by the fp8 unpack, then times the scale, an exact
+    product (in packed bf16 with ``packed``: two values per op where the chip has bf16 arithmetic). Leaving
+    2^-14 in the values for the f32 sums to take back saves a multiply per value (GPT-OSS at 64 tokens,
+    modelled: v6e 1031.8 -> 976.0 us, v5e -9%); weights below 2^-112 (e8m0 scales under 2^-111) read as zero,
+    where TPU's flush of non-normal numbers took those below 2^-126."""
+    words = pltpu.bitcast(w_ref[pl.ds(r0, nr), pl.ds(c0, cw)], jnp.uint32)
+    s = _mxfp4_scales(s_scr, s0, nr, c0, cw)
+    if packed:
+        s = s.astype(dtype)
+    out = []
+    for nibble in (0, 1):
+        v = pltpu.bitcast(_e2m1_as_e5m2(words, nibble), jnp.float8_e5m2).astype(jnp.float32)
+        if packed:  # every product is exact (powers of two): the same in bf16, two per op
+            out.append(v.astype(dtype) * s)
+        else:
+            out.append((v * s).astype(dtype))
+    return out
+
+
 def _dequantize_mxfp4(lo_ref, hi_ref, w_ref, s_ref, s_scr, rows: int = _MXFP4_ROWS, cols: int = 1024,
                       bf16_vpu: bool = False):
     """MXFP4 weights of one block, [k/2, n] (w_ref uint8: byte row r holds inputs 2r, low nibble, and 2r + 1),
-    with uint8 e8m0 scales s_ref [>= k/32, n] (rows past k/32 are padding): lo = the even inputs' rows,
-    hi = the odd inputs', in lo_ref's dtype; the kernel multiplies them with the lhs's even and odd columns.
-
-    The scales become f32 2^(s - 127) (from the exponent bits; s = 0 gives 0, TPU has no subnormals) in
-    s_scr once; each scale row then covers 16 weight rows, a sublane broadcast. The bytes are read as uint32
-    words (8-bit integer ops do not lower on TPU), each nibble moved into a float8_e5m2 byte
-    (``_e2m1_as_e5m2``) and converted by the fp8 unpack, then times 2^14 and the scale, exact products (in
-    packed bf16 with ``bf16_vpu`` and a bf16 destination: fewer ops where the chip has bf16 arithmetic): every
-    code costs ~4 vector ops, a third of decoding it in f32 arithmetic. Chunks of ``rows`` x ``cols`` (a loop over
-    row chunks, so the program stays small) keep the f32 temporaries small; a row count off the 32-row uint8
-    tile (k/2 = 16 mod 32) ends with a chunk overlapping the previous one."""
+    with uint8 e8m0 scales s_ref [>= k/32, n] (rows past k/32 are padding), into VMEM: lo = the even inputs'
+    rows, hi = the odd inputs', times ``MXFP4_UNIT``, in lo_ref's dtype (``_mxfp4_values``; ``bf16_vpu``:
+    packed bf16 products for a bf16 destination); the kernel multiplies them with the lhs's even and odd
+    columns. Chunks of ``rows`` x ``cols`` (a loop over row chunks, so the program stays small) keep the f32
+    temporaries small; a row count off the 32-row uint8 tile (k/2 = 16 mod 32) ends with a chunk overlapping
+    the previous one."""
     kh, n = w_ref.shape
     packed = bf16_vpu and jnp.dtype(lo_ref.dtype) == jnp.bfloat16
-    sr = kh // MXFP4_SCALE_ROWS
-    s_scr[:sr, :] = lax.bitcast_convert_type(s_ref[:sr, :].astype(jnp.int32) << 23, jnp.float32)
+    _mxfp4_scale_table(s_ref, s_scr, kh)
     tile = 32  # uint8 rows per native tile: the unit the uint32 view needs
     if kh < tile:
         raise ValueError(f"MXFP4 weights need at least {2 * tile} inputs per block, got {2 * kh}")
@@ -297,17 +331,9 @@ def _dequantize_mxfp4(lo_ref, hi_ref, w_ref, s_ref, s_scr, rows: int = _MXFP4_RO
     def decode(r0, s0, nr):  # nr weight rows from r0 (a multiple of 16, maybe traced); s0 = r0 / 16
         for c0 in range(0, n, cols):
             cw = min(cols, n - c0)
-            words = pltpu.bitcast(w_ref[pl.ds(r0, nr), pl.ds(c0, cw)], jnp.uint32)
-            s = s_scr[pl.ds(s0, nr // MXFP4_SCALE_ROWS), pl.ds(c0, cw)]
-            s = jnp.broadcast_to(s[:, None, :], (nr // MXFP4_SCALE_ROWS, MXFP4_SCALE_ROWS, cw)).reshape(nr, cw)
-            if packed:
-                s = s.astype(lo_ref.dtype)
-            for dst, nibble in ((lo_ref, 0), (hi_ref, 1)):
-                v = pltpu.bitcast(_e2m1_as_e5m2(words, nibble), jnp.float8_e5m2).astype(jnp.float32)
-                if packed:  # every product is exact (powers of two): the same in bf16, two per op
-                    dst[pl.ds(r0, nr), pl.ds(c0, cw)] = v.astype(dst.dtype) * jnp.asarray(16384.0, dst.dtype) * s
-                else:
-                    dst[pl.ds(r0, nr), pl.ds(c0, cw)] = (v * 16384.0 * s).astype(dst.dtype)
+            lo, hi = _mxfp4_values(w_ref, s_scr, r0, s0, nr, c0, cw, lo_ref.dtype, packed)
+            lo_ref[pl.ds(r0, nr), pl.ds(c0, cw)] = lo
+            hi_ref[pl.ds(r0, nr), pl.ds(c0, cw)] = hi
 
     full = kh // rows
     if full:
@@ -319,6 +345,47 @@ def _dequantize_mxfp4(lo_ref, hi_ref, w_ref, s_ref, s_scr, rows: int = _MXFP4_RO
     if rest:
         nr = _round_up(rest, tile)
         decode(kh - nr, (kh - nr) // MXFP4_SCALE_ROWS, nr)
+
+
+def _mxfp4_dots(x_lo, x_hi, w_ref, s_scr, rows, n_rows: int, *, packed: bool, piece_rows: int = _MXFP4_ROWS,
+                piece_cols: int = 256):
+    """f32 x_lo[rows] @ lo + x_hi[rows] @ hi (``n_rows`` rows; times ``MXFP4_UNIT``), the MXFP4 block w_ref
+    [k/2, n] (k/2 a multiple of 32) decoded inside the dots, piece by piece (``_mxfp4_values``), instead of
+    into VMEM scratch first: the conversion's vector work and the MXU pushes share one block of code, which
+    the scheduler interleaves. Per column piece a loop over ``piece_rows`` byte rows carries the
+    [rows, piece_cols] f32 sum (in registers)."""
+    kh, n = w_ref.shape
+    dtype = x_lo.dtype
+    full, rest = divmod(kh, piece_rows)
+    out = []
+    for c0 in range(0, n, piece_cols):
+        cw = min(piece_cols, n - c0)
+
+        def piece(r0, s0, nr, acc, c0=c0, cw=cw):
+            lo, hi = _mxfp4_values(w_ref, s_scr, r0, s0, nr, c0, cw, dtype, packed)
+            for x, w in ((x_lo, lo), (x_hi, hi)):
+                acc = acc + jnp.dot(x[rows, pl.ds(r0, nr)], w, preferred_element_type=jnp.float32)
+            return acc
+
+        acc = jnp.zeros((n_rows, cw), jnp.float32)
+        if full:
+            acc = lax.fori_loop(0, full, lambda t, a: piece(pl.multiple_of(t * piece_rows, piece_rows),
+                                                             pl.multiple_of(t * (piece_rows // MXFP4_SCALE_ROWS), 8),
+                                                             piece_rows, a), acc)
+        if rest:
+            acc = piece(full * piece_rows, full * piece_rows // MXFP4_SCALE_ROWS, rest, acc)
+        out.append(acc)
+    return jnp.concatenate(out, axis=1) if len(out) > 1 else out[0]
+
+
+def mxfp4_in_dots(m: int, groups: int, chunk: int, k: int) -> bool:
+    """Whether gmm decodes MXFP4 weights inside each chunk's dots (``_mxfp4_dots``) rather than once per
+    weight block into VMEM scratch: when groups average at most 2 rows (every chunk, and a group's second
+    item in the next tile, decodes again) and k/2 is whole uint8 tiles (32 byte rows). The decode's vector
+    work bounds both ways (a 128 x 256 byte piece: 104 bundles in the dots, 78 + 30 for the decode and the
+    dots apart, v6e); modelled GPT-OSS: at 1 token (1 row a group) v5e 176.0 -> 160.0 us, v6e 137.7 -> 130.4,
+    TPU7x even; at 64 tokens (8 rows) v5e even, v6e 976.0 -> 989.4, TPU7x 678.3 -> 754.1."""
+    return -(-m // groups) <= 2 and (k // 2) % 32 == 0
 
 
 def per_channel(w) -> bool:
@@ -468,15 +535,19 @@ def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
     if quant is None:
         out_ref = refs[-1]
     else:  # dequantize each new weight block once into VMEM scratch; the MXU sees the compute dtype
-        kind, starts, e4m3 = quant
+        kind, starts, e4m3, in_dots = quant
         channel = kind == "channel"
-        # MXFP4: the weight dequantizes into even- and odd-input halves, plus its scales in f32
-        n_d = 3 if mxfp4 else n_w
+        # MXFP4: the weight dequantizes into even- and odd-input halves, plus its scales in f32 (in the dots:
+        # the scales only)
+        n_d = (1 if in_dots else 3) if mxfp4 else n_w
         s_ref, out_ref, deq_refs = refs[-2 - n_d], refs[-1 - n_d], refs[-n_d:]
         j = pl.program_id(0)
 
         @pl.when(_new_weights(fetch_group, i))
         def _dequant():
+            if mxfp4 and in_dots:  # the weights decode inside the dots (``_mxfp4_dots``)
+                _mxfp4_scale_table(s_ref, deq_refs[-1], w_refs[0].shape[0])
+                return
             if mxfp4:
                 _dequantize_mxfp4(deq_refs[0], deq_refs[1], w_refs[0], s_ref, deq_refs[2], bf16_vpu=e4m3 != "f32")
                 return
@@ -487,7 +558,8 @@ def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
                 _dequantize(d, w, None if channel else s_ref, block0=first_block + b0, row_off=off,
                             e4m3=e4m3)
 
-        w_refs = deq_refs[:2] if mxfp4 else deq_refs
+        if not (mxfp4 and in_dots):
+            w_refs = deq_refs[:2] if mxfp4 else deq_refs
         if channel:  # starts hold each weight's first output column: 0, and n for up
             col_scales = [lambda off=off: s_ref[pl.ds(jnp.minimum(grp, num_groups - 1), 1), pl.ds(j * tn + off, tn)]
                           for off, _ in starts]
@@ -497,10 +569,13 @@ def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
         start, end = offsets[grp], offsets[grp + 1]
         dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
 
-        def epilogue(rows):  # the output rows ``rows`` of the tile, f32
-            if mxfp4:  # even inputs x even weights + odd x odd
+        def epilogue(rows, n_rows):  # the output rows ``rows`` of the tile, f32
+            if mxfp4 and in_dots:
+                ys = [_mxfp4_dots(lhs_refs[0], lhs_refs[1], w_refs[0], deq_refs[-1], rows, n_rows,
+                                  packed=e4m3 != "f32" and lhs_refs[0].dtype == jnp.bfloat16) * (1 / MXFP4_UNIT)]
+            elif mxfp4:  # even inputs x even weights + odd x odd (weights times MXFP4_UNIT)
                 ys = [sum(lax.dot_general(x[rows, :], w[...], dims, preferred_element_type=jnp.float32)
-                          for x, w in zip(lhs_refs, w_refs))]
+                          for x, w in zip(lhs_refs, w_refs)) * (1 / MXFP4_UNIT)]
             else:
                 ys = [lax.dot_general(lhs_refs[0][rows, :], w[...], dims, preferred_element_type=jnp.float32)
                       for w in w_refs]
@@ -516,7 +591,7 @@ def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
             return jnp.logical_and(rows >= start, rows < end)
 
         if chunk == tm:  # one pass over the tile; the first item on it zeroes the rows no group writes
-            y = epilogue(slice(None))
+            y = epilogue(slice(None), tm)
             keep = jnp.where(first, jnp.zeros(out_ref.shape, out_ref.dtype), out_ref[...])
             out_ref[...] = jnp.where(mine(y, 0), y.astype(out_ref.dtype), keep)
             return
@@ -527,7 +602,7 @@ def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
 
         def chunk_rows(r0):
             rows = pl.ds(r0, chunk)
-            y = epilogue(rows)
+            y = epilogue(rows, chunk)
             out_ref[rows, :] = jnp.where(mine(y, r0), y.astype(out_ref.dtype), out_ref[rows, :])
 
         _for_group_rows(jnp.clip(start - tile * tm, 0, tm), jnp.clip(end - tile * tm, 0, tm), tm=tm, chunk=chunk,
@@ -541,7 +616,7 @@ def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
 def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: int | None = None,
         tn: int | None = None, activation: str = "none", interleaved: bool = False, alpha: float = 1.702,
         limit: float = 7.0, bias=None, rhs_scale=None, chip: str | None = None,
-        vmem_limit_bytes: int | None = None, chunk: int | None = None):
+        vmem_limit_bytes: int | None = None, chunk: int | None = None, in_dots: bool | None = None):
     """out[rows of group i] = epilogue(lhs[rows] @ rhs[i]); rows past sum(group_sizes) are 0.
 
     rhs is [g, k, n], or [g, n, k] with ``transposed`` (transformers' layout, used as is). With a
@@ -552,7 +627,9 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
     dtype, once per weight block (HBM moves the quantized bytes and the scales only). MXFP4 (uint8) rhs is
     [g, k/2, n] (not ``transposed``: byte row r holds inputs 2r and 2r + 1) with e8m0 scales [g, >= k/32, n],
     one weight block per step (plain, or interleaved gate/up). ``chunk``: rows per iteration of the loop
-    over a group's rows in a tile (default ``gmm_chunk_rows``; tm: the whole tile at once).
+    over a group's rows in a tile (default ``gmm_chunk_rows``; tm: the whole tile at once). ``in_dots``:
+    MXFP4 weights decode inside each chunk's dots rather than once per block into scratch (default
+    ``mxfp4_in_dots``).
     No validation here: ``ragged_dot`` and the experts op validate their inputs.
     """
     m, k = lhs.shape
@@ -645,11 +722,15 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
             scales = rhs_scale if need_blocks <= rhs_scale.shape[1] else jnp.pad(  # last n tile overhangs
                 rhs_scale, ((0, 0), (0, need_blocks - rhs_scale.shape[1]), (0, 0)))
             in_specs.append(pl.BlockSpec((None,) + scales.shape[1:], lambda j, i, off, ig, it, fg, ft: (fg[i], 0, 0)))
-        quant = ("mxfp4" if mxfp4 else "channel" if channel else "block", tuple(starts), e4m3_mode(chip))
+        if in_dots is None:
+            in_dots = mxfp4 and mxfp4_in_dots(m, g, chunk, k)
+        if in_dots and not (mxfp4 and kw % 32 == 0):
+            raise ValueError(f"in_dots: MXFP4 weights with k/2 a multiple of 32 only, got {rhs.dtype} and k={k}")
+        quant = ("mxfp4" if mxfp4 else "channel" if channel else "block", tuple(starts), e4m3_mode(chip), in_dots)
         operands.append(scales)  # f32 (uint8 for MXFP4), validated by the experts op
-        scratch = [pltpu.VMEM((kw, wn), lhs.dtype) for _ in range(2)] + [
-            pltpu.VMEM((_round_up(rhs_scale.shape[1], 8), wn), jnp.float32)] if mxfp4 else \
-            [pltpu.VMEM((wn, kw), lhs.dtype) for _ in range(n_w)]
+        s_scr = pltpu.VMEM((_round_up(rhs_scale.shape[1], 8), wn), jnp.float32) if mxfp4 else None
+        scratch = [s_scr] if in_dots else [pltpu.VMEM((kw, wn), lhs.dtype) for _ in range(2)] + [s_scr] if mxfp4 \
+            else [pltpu.VMEM((wn, kw), lhs.dtype) for _ in range(n_w)]
 
     inb, outb = lhs.dtype.itemsize, out_dtype.itemsize
     if vmem_limit_bytes is None:
