@@ -11,7 +11,8 @@ Three layers (DESIGN.md "Shapes that matter"):
 * ``prefill``: causal self-attention, q [1, Hq, S, D], k/v [1, Hkv, S, D] -> [1, Hq, S, D].
 * ``decode``: one decode step of a continuous batch: write each sequence's new K/V into the paged
   cache (in place), then attend over its context (the new token included). Context lengths are
-  seeded uniform in ``DECODE_CONTEXT``; pages of ``page`` tokens scattered at random over one pool.
+  seeded uniform in ``DECODE_CONTEXT``, or all one given length (the long-context rows); pages of
+  ``page`` tokens scattered at random over one pool.
 
 A problem's ``format`` is how its big operand is stored: "bf16", or quantized (``QUANT_FORMATS``):
 the experts' weights as checkpoints store them (fp8 e4m3 with f32 scales per 128 x 128 block, the
@@ -57,7 +58,7 @@ class Model:
     short: str = ""
     moe_tokens: tuple = (1, 8, 64, 256, 2048, 8192)  # decode batches and prefill lengths
     prefill_tokens: tuple = (2048, 8192)
-    decode: tuple = ((1, 16), (8, 16), (64, 16), (256, 16), (64, 128))  # (batch, page size)
+    decode: tuple = ((1, 16), (8, 16), (64, 16), (256, 16), (64, 128))  # (batch, page size[, context])
     quantized_moe: tuple = ()  # (format, tokens)
     quantized_decode: tuple = ()  # (format, batch, page size)
 
@@ -65,19 +66,21 @@ class Model:
 # transformers' Qwen3MoeConfig for Qwen/Qwen3-30B-A3B (checked against its config.json fields)
 QWEN3_30B_A3B = Model("Qwen3-30B-A3B", hidden=2048, experts=128, top_k=8, moe_intermediate=768,
                       q_heads=32, kv_heads=4, head_dim=128, short="Qwen3",
+                      decode=((1, 16), (8, 16), (64, 16), (256, 16), (64, 128), (64, 16, 8192), (256, 16, 8192),
+                              (64, 16, 32768)),
                       quantized_moe=(("fp8", 1), ("fp8", 64), ("fp8", 256), ("int8", 64)),
                       quantized_decode=(("fp8", 64, 16), ("fp8", 64, 128), ("int8", 64, 128)))
 # openai/gpt-oss-20b's config.json shapes (its experts are computed here as SiLU-gated, unbiased, as
-# for Qwen3, by every implementation); fewer shapes, to keep the run short.
+# for Qwen3, by every implementation); fewer attention shapes, to keep the run short.
 GPT_OSS_20B = Model("GPT-OSS-20B", hidden=2880, experts=32, top_k=4, moe_intermediate=2880,
                     q_heads=64, kv_heads=8, head_dim=64, short="GPT-OSS",
-                    moe_tokens=(1, 64, 256, 2048), prefill_tokens=(2048,), decode=((1, 16), (64, 16)),
+                    prefill_tokens=(2048,), decode=((1, 16), (64, 16)),
                     quantized_moe=(("mxfp4", 1), ("mxfp4", 64)))
 # google/gemma-4-26b-a4b's experts (hidden, experts, top-k, intermediate as in kernels/ragged_dot/
 # compile_matrix.py, checked against its config): GELU-tanh gated in the model, computed here SiLU-gated
 # by every implementation as for GPT-OSS; the experts only (intermediate 704 is off the 128-lane grid).
 GEMMA4_26B_A4B = Model("Gemma-4-26B-A4B", hidden=2816, experts=128, top_k=8, moe_intermediate=704, short="Gemma-4",
-                       moe_tokens=(1, 64, 256, 2048), prefill_tokens=(), decode=())
+                       prefill_tokens=(), decode=())
 MODELS = (QWEN3_30B_A3B, GPT_OSS_20B, GEMMA4_26B_A4B)
 # How transformers stores a model's bf16 experts where it is not [E, 2I, H] / [E, H, I] with [gate; up]
 # ("concatenated"): GptOssExperts (is_transposed=True) keeps gate_up [E, H, 2I] with gate and up in
@@ -343,9 +346,10 @@ def _decode_check(m: Model, batch: int, page: int, fmt: str = "bf16") -> Check:
                  + ("" if fmt == "bf16" else f", {fmt} cache"), 2e-2)
 
 
-def decode_problem(m: Model, batch: int, page: int, fmt: str = "bf16") -> Problem:
+def decode_problem(m: Model, batch: int, page: int, fmt: str = "bf16", context: int | None = None) -> Problem:
     hq, hkv, d = m.q_heads, m.kv_heads, m.head_dim
-    lengths = np.random.default_rng(batch).integers(*DECODE_CONTEXT, size=batch, endpoint=True).astype(np.int32)
+    lengths = np.full(batch, context, np.int32) if context else \
+        np.random.default_rng(batch).integers(*DECODE_CONTEXT, size=batch, endpoint=True).astype(np.int32)
     table, total = paged_table(lengths, page, seed=batch, multiple=max(1, 128 // page))
     ctx = int(lengths.sum())
     cb = min(batch, 4)
@@ -356,7 +360,8 @@ def decode_problem(m: Model, batch: int, page: int, fmt: str = "bf16") -> Proble
     scales = () if fmt == "bf16" else (jnp.full((hkv,), 0.05, jnp.float32),) * 2
     kv_bytes = cache.dtype.itemsize
     return Problem(
-        "decode", m.name, f"{m.short} decode B={batch} page {page}" + ("" if fmt == "bf16" else f" {fmt}"),
+        "decode", m.name, f"{m.short} decode B={batch} page {page}" + ("" if fmt == "bf16" else f" {fmt}")
+        + (f" context {context // 1024}k" if context else ""),
         {"batch": batch, "context_tokens": ctx, "context_min": int(lengths.min()), "context_max": int(lengths.max()),
          "page": page, "q_heads": hq, "kv_heads": hkv, "head_dim": d, "format": fmt},
         (sds((batch, hq, d)), sds((batch, hkv, d)), sds((batch, hkv, d)), cache, cache, jnp.asarray(lengths),
@@ -364,7 +369,7 @@ def decode_problem(m: Model, batch: int, page: int, fmt: str = "bf16") -> Proble
         min_bytes=2 * hkv * ctx * d * kv_bytes + 2 * (2 * batch * hq * d + 2 * batch * hkv * d),
         min_flops=4 * hq * d * ctx,
         check=functools.partial(_decode_check, m, cb, page, fmt), check_key=("decode", cb, hq // hkv, d, page, fmt),
-        recipe=("decode", dataclasses.asdict(m), batch, page, fmt), format=fmt)
+        recipe=("decode", dataclasses.asdict(m), batch, page, fmt) + ((context,) if context else ()), format=fmt)
 
 
 def problems(models=MODELS, families=("moe", "prefill", "decode")) -> list[Problem]:
@@ -375,7 +380,7 @@ def problems(models=MODELS, families=("moe", "prefill", "decode")) -> list[Probl
         if "prefill" in families:
             out += [prefill_problem(m, t) for t in m.prefill_tokens]
         if "decode" in families:
-            out += [decode_problem(m, b, p) for b, p in m.decode]
+            out += [decode_problem(m, b, p, context=c[0] if c else None) for b, p, *c in m.decode]
             out += [decode_problem(m, b, p, f) for f, b, p in m.quantized_decode]
     return out
 
