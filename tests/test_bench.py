@@ -177,3 +177,18 @@ def test_the_model_beside_xla_and_libtpus_own_estimate(tmp_path, monkeypatch):
     # the per-step model at 0 us per step tracks the compiler's own estimate of the kernel
     assert 0.8 < row["v2_s_0us"] / row["static_profile_s"] < 1.25, row
     assert row["v2_s_0us"] < row["v2_s_0.35us"] < row["v2_s_0.7us"]
+
+
+def test_a_long_context_decode_problem_gives_every_sequence_its_length():
+    """Decode rows with one context length (issue 14's 8k and 32k rows): every sequence holds it, the table
+    covers it, the name says it, and a compile worker rebuilds the same problem from its recipe."""
+    m = problems.Model("tiny", hidden=256, experts=8, top_k=2, moe_intermediate=128, q_heads=8, kv_heads=2,
+                       head_dim=128, short="tiny", moe_tokens=(), prefill_tokens=(), decode=((3, 16, 2048), (3, 16)))
+    long, short = problems.problems(models=(m,), families=("decode",))
+    assert long.name == "tiny decode B=3 page 16 context 2k" and short.name == "tiny decode B=3 page 16"
+    lengths, table = long.args[5], long.args[6]
+    assert (lengths == 2048).all() and table.shape[1] * 16 >= 2048 and long.params["context_tokens"] == 3 * 2048
+    assert not (short.args[5] == short.args[5][0]).all()  # seeded uniform in DECODE_CONTEXT
+    again = problems.rebuild(long.recipe)
+    assert again.name == long.name and problems.signature(again) == problems.signature(long)
+    assert problems.rebuild(short.recipe).recipe == short.recipe
