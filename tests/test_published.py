@@ -61,3 +61,11 @@ def test_counts_recomputed_now_match(result, problem, impl):
         saved = row["chips"][chip]
         assert (cost.hbm_bytes, cost.flops, cost.grid_steps) == (saved["hbm_bytes"], saved["flops"],
                                                                  saved["grid_steps"]), STALE
+
+
+def test_quantized_rows_stand_beside_their_bf16_layer(result):
+    """Each quantized row of the published bench is set beside ours on the bf16 problem of the same shape
+    (the bf16 problem may name a storage layout; a quantized one takes its weights as given)."""
+    lines = report.quantized_table(result, "moe")
+    rows = [line for line in lines[2:] if line.startswith("| ")]
+    assert rows and all(line.count("x)") == len(result["chips"]) for line in rows), rows

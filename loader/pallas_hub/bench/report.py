@@ -143,7 +143,9 @@ def quantized_table(result: dict, family: str) -> list[str]:
     lines = ["| problem | " + " | ".join(f"{CHIP_TITLE[c]}: layer (bf16 layer, ratio)" for c in chips)
              + " | bytes moved / quantized minimum: kernels, layer (v6e) | check |",
              "|---|" + "---|" * len(chips) + "---|---|"]
-    same_shape = lambda a, b: {**a["params"], "format": None} == {**b["params"], "format": None}  # noqa: E731
+    # the same shape in bf16 (a quantized problem takes the weights as given: no bf16 storage layout)
+    same_shape = lambda a, b: ({**a["params"], "format": None, "storage": None}  # noqa: E731
+                               == {**b["params"], "format": None, "storage": None})
     for r in rows:
         twin = next((b for b in result["rows"] if b["impl"] == r["impl"] and _format(b) == "bf16"
                      and b["model"] == r["model"] and same_shape(b, r)), None)
