@@ -58,17 +58,19 @@ CACHE_DTYPES = KV_DTYPES + QUANTIZED_DTYPES
 QUANT_MAX = {"float8_e4m3fn": 448.0, "int8": 127.0}
 INDEX_DTYPES = ("int32", "int64")
 MiB = 1 << 20
-# Each page of a chunk is its own DMA, issued by unrolled scalar code (cost model v2, Qwen3 decode
-# B=64 on v6e: 64 pages of 16 tokens per chunk beat 32 and 128; 16 pages of 128 tokens beat 8).
-MAX_PAGES_PER_CHUNK = 64
+# Each page of a chunk is its own DMA, issued by unrolled scalar code; every chunk is a DMA-loop
+# iteration (cost model v2, Qwen3 decode B=64 x 8k, page 16, layer at 0.35 us per step: 256 pages per
+# chunk 487.1 us on TPU7x and 724.6 on v6e, 64 pages 665.6 and 796.4; 512 would not fit VMEM).
+MAX_PAGES_PER_CHUNK = 256
 KV_VMEM_BUDGET = 40 * MiB  # chunks shrink (halving) until the kernel's VMEM estimate fits
+WRITE_ROWS_PER_STEP = 16  # write_kv: new rows whose DMAs one loop iteration starts (unrolled)
 SUB_BLOCK = 512  # keys scored at once: a chunk is computed up to its last sub-block holding keys the rows see
 
 
 # --------------------------------------------------------------------------- validation
 
 def validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=0.0, window=0,
-             softcap=0.0, block_q=0, block_kv=2048, k_scale=None, v_scale=None):
+             softcap=0.0, block_q=0, block_kv=4096, k_scale=None, v_scale=None):
     """Raise ValueError/TypeError naming the bad argument; checks values too when they are on the host."""
     check_array("q", q, dtypes=KV_DTYPES, ndim=3)
     check_array("k_pages", k_pages, dtypes=CACHE_DTYPES, ndim=4)
@@ -370,10 +372,6 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
         def _():
             table_copy(nxt, 1 - row).start()
 
-        @pl.when(jnp.logical_not(prefetched) & (num_chunks > 0))
-        def _():
-            start_pages(me, row, 0, base)
-
         # Only the row blocks holding this item's rows are touched: a decode item in a tile shared by
         # many sequences costs its own rows, not the tile's. Row r of a block is (token, head in group).
         # Items spanning at most two blocks of the smallest size (decode, short speculative runs) are
@@ -409,12 +407,16 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
 
         for_blocks(init_block)
 
-        def body(c, carry):
-            slot = jax.lax.rem(base + c, 2)
+        # Iteration i starts chunk i - lead + 1 (after the last, the next item's first) and computes chunk
+        # i - lead: double buffering, the next chunk flies while this one computes. An item whose first
+        # chunk was not prefetched takes one issue-only iteration first (lead = 1), so the page-copy code
+        # (unrolled, a DMA per page) is in the schedule once, not also at the item's start.
+        lead = (jnp.logical_not(prefetched) & (num_chunks > 0)).astype(jnp.int32)
 
-            # Double buffering: the next chunk flies while this one computes; after the last chunk,
-            # the next item's first (one copy loop for both, so the schedule holds it once).
+        def body(i, carry):
+            c = i - lead  # the chunk computed
             last = c + 1 == num_chunks
+            slot = jax.lax.rem(base + c + 1, 2)  # the chunk started goes to this slot, chunk c is in the other
 
             @pl.when(last & has_next)
             def _():
@@ -423,8 +425,15 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
             @pl.when(jnp.logical_not(last) | has_next)
             def _():
                 target = {k: jnp.where(last, nxt_plan[k], me[k]) for k in ("first_page", "end_page")}
-                start_pages(target, jnp.where(last, 1 - row, row), jnp.where(last, 0, c + 1), 1 - slot)
+                start_pages(target, jnp.where(last, 1 - row, row), jnp.where(last, 0, c + 1), slot)
 
+            @pl.when(c >= 0)
+            def _():
+                compute_chunk(c, 1 - slot)
+
+            return carry
+
+        def compute_chunk(c, slot):
             wait_pages(me, c, slot)
             chunk_start = (first_page + c * pages_per_block) * page
             itemsize = kbuf.dtype.itemsize
@@ -469,9 +478,8 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
                 return jax.lax.fori_loop(clear, num_sub, functools.partial(sub_block, True), carry)
 
             for_blocks(compute_block)
-            return carry
 
-        jax.lax.fori_loop(0, num_chunks, body, 0)
+        jax.lax.fori_loop(0, num_chunks + lead, body, 0)
         state[SLOT] = jax.lax.rem(base + num_chunks, 2)
         state[ROW] = jnp.where(has_next, 1 - row, row)
         state[PREFETCHED] = jnp.where(has_next, nxt, -1)
@@ -587,7 +595,7 @@ def ragged_paged_attention(
     window: int = 0,
     softcap: float = 0.0,
     block_q: int = 0,
-    block_kv: int = 2048,
+    block_kv: int = 4096,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
 ) -> jax.Array:
@@ -596,7 +604,7 @@ def ragged_paged_attention(
     ``scale`` 0 = head_dim**-0.5 (the default), ``window`` 0 = none (else transformers' sliding
     window: key > query - window), ``softcap`` 0 = none, ``sinks`` [Hq] GPT-OSS sink logits,
     ``block_q`` query tokens per tile (0 = about 1024 rows), ``block_kv`` tokens fetched per DMA
-    chunk (rounded to whole pages; at most 64 pages, fewer when the chunk would not fit VMEM). Zero sizes: no query rows -> [0, Hq, D]; no sequences, an empty
+    chunk (rounded to whole pages; at most 256 pages, fewer when the chunk would not fit VMEM). Zero sizes: no query rows -> [0, Hq, D]; no sequences, an empty
     page table or an empty cache -> zeros (no row has a key to attend).
 
     A quantized cache (``k_pages``/``v_pages`` float8_e4m3fn or int8, written by ``write_kv``) needs
@@ -747,14 +755,16 @@ def _check_distinct_slots(kv_lens, page_indices, cu_q_lens, t, num_pages, page):
                          f"cache slot (otherwise the last write silently wins)")
 
 
-def write_slots(kv_lens, page_indices, cu_q_lens, t, num_pages, page):
-    """(page id, row in page) for each packed new token; page id -1 = do not write (padding rows,
-    or a target outside the cache: a bad write is skipped rather than clamped onto another page)."""
+def write_slots(kv_lens, page_indices, cu_q_lens, t, num_pages, page, rows=None):
+    """(page id, row in page) for each packed new token (``rows`` >= t entries, default t); page id -1 =
+    do not write (padding rows, or a target outside the cache: a bad write is skipped rather than
+    clamped onto another page)."""
     num_seqs, pps = page_indices.shape
+    rows = t if rows is None else rows
     if num_seqs == 0 or pps == 0:  # no sequence, or no pages: nothing to write
-        return jnp.full((t,), -1, jnp.int32), jnp.zeros((t,), jnp.int32)
+        return jnp.full((rows,), -1, jnp.int32), jnp.zeros((rows,), jnp.int32)
     cu = sanitize_cu(cu_q_lens, t)
-    r = jnp.arange(t, dtype=jnp.int32)
+    r = jnp.arange(rows, dtype=jnp.int32)
     seq = jnp.clip(_searchsorted_right(cu, r) - 1, 0, num_seqs - 1)
     pos = kv_lens[seq] - (cu[seq + 1] - cu[seq]) + r - cu[seq]
     col = _udiv(pos, page)  # a negative pos (refused below either way) reads as a large one
@@ -763,35 +773,37 @@ def write_slots(kv_lens, page_indices, cu_q_lens, t, num_pages, page):
     return jnp.where(ok, pid, -1).astype(jnp.int32), pos - col * page
 
 
-def _write_kernel(pid_ref, off_ref, new_k, new_v, k_in, v_in, k_out, v_out, sems, *, in_flight):
+def _write_kernel(pid_ref, off_ref, new_k, new_v, k_in, v_in, k_out, v_out, sems, *, rows_per_step):
     del k_in, v_in  # aliased: k_out/v_out are the same buffers
-    t = new_k.shape[0]
 
     def copies(r):
         p, o = jnp.maximum(pid_ref[r], 0), off_ref[r]
         return (pltpu.make_async_copy(new_k.at[r], k_out.at[p, o], sems.at[0]),
                 pltpu.make_async_copy(new_v.at[r], v_out.at[p, o], sems.at[1]))
 
-    def wait(r):
-        @pl.when(pid_ref[r] >= 0)
-        def _():
-            for c in copies(r):
-                c.wait()
+    def each_row(g, act):  # rows g * rows_per_step ... of the (padded) slots; padding rows have page id -1
+        for j in range(rows_per_step):
+            r = g * rows_per_step + j
 
-    def body(r, carry):
-        @pl.when(pid_ref[r] >= 0)
-        def _():
-            for c in copies(r):
-                c.start()
+            @pl.when(pid_ref[r] >= 0)
+            def _():
+                for c in copies(r):
+                    act(c)
 
-        @pl.when(r >= in_flight)  # bound the DMAs in flight
+    # Rows go rows_per_step at a time (unrolled): a step starts its rows' DMAs, then waits for the
+    # previous step's, so at most two steps' DMAs are in flight.
+    def body(g, carry):
+        each_row(g, lambda c: c.start())
+
+        @pl.when(g > 0)
         def _():
-            wait(r - in_flight)
+            each_row(g - 1, lambda c: c.wait())
 
         return carry
 
-    jax.lax.fori_loop(0, t, body, 0)
-    jax.lax.fori_loop(max(t - in_flight, 0), t, lambda r, c: (wait(r), c)[1], 0)
+    steps = pid_ref.shape[0] // rows_per_step
+    jax.lax.fori_loop(0, steps, body, 0)
+    each_row(steps - 1, lambda c: c.wait())
 
 
 def write_kv(
@@ -820,10 +832,10 @@ def write_kv(
     t = new_k.shape[0]
     num_pages, page = k_pages.shape[:2]
     pid, off = write_slots(kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32),
-                           cu_q_lens.astype(jnp.int32), t, num_pages, page)
+                           cu_q_lens.astype(jnp.int32), t, num_pages, page, rows=_round_up(t, WRITE_ROWS_PER_STEP))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
-        functools.partial(_write_kernel, in_flight=8),
+        functools.partial(_write_kernel, rows_per_step=WRITE_ROWS_PER_STEP),
         out_shape=(jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(1,), in_specs=[any_spec] * 4, out_specs=(any_spec, any_spec),
