@@ -87,6 +87,17 @@ def test_tiles_shared_by_many_sequences_and_all_padding_tiles(load_kernel):
     check(k, args, block_q=4)
 
 
+def test_tile_sequence_search_matches_searchsorted(load_kernel):
+    # The kernel finds each tile's sequences by a branch-free binary search in cu_q_lens (scalar code).
+    count = load_kernel("paged_attention").pallas._count_prefix
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 7, 8, 64, 255):
+        cu = np.concatenate([[0], np.cumsum(rng.integers(0, 3, n))]).astype(np.int32)  # empty sequences too
+        for x in range(int(cu[-1]) + 2):
+            assert int(count(jnp.asarray(cu), 1, n, lambda c: c <= x)) == np.searchsorted(cu[1:], x, "right")
+            assert int(count(jnp.asarray(cu), 0, n, lambda c: c < x)) == np.searchsorted(cu[:-1], x, "left")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("page", [16, 64, 128])
 @pytest.mark.parametrize("num_seqs", [1, 7, 64])

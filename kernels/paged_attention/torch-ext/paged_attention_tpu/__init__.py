@@ -1,7 +1,7 @@
 """paged-attention-tpu: ragged paged attention (continuous batching) as a Pallas TPU kernel.
 
 * ``ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=0.0, window=0,
-  softcap=0.0, block_q=0, block_kv=4096, k_scale=None, v_scale=None)``: torch op (scale 0.0 = head_dim**-0.5);
+  softcap=0.0, block_q=0, block_kv=8192, k_scale=None, v_scale=None)``: torch op (scale 0.0 = head_dim**-0.5);
   see ``pallas.ragged_paged_attention`` for layouts. A float8_e4m3fn or int8 cache takes k_scale/v_scale
   (float32 [Hkv], one per KV head).
 * ``write_kv(..., k_scale=None, v_scale=None)`` -> (k_pages', v_pages'): functional torch op writing new
@@ -23,7 +23,7 @@ from .transformers_cb import CB_NAME, enable_continuous_batching, paged_attentio
 
 
 def _fake_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=0.0, window=0,
-                    softcap=0.0, block_q=0, block_kv=4096, k_scale=None, v_scale=None):
+                    softcap=0.0, block_q=0, block_kv=8192, k_scale=None, v_scale=None):
     return torch.empty_like(q)
 
 

@@ -11,9 +11,10 @@ Layout (transformers' PagedAttentionCache page views, so its block tables index 
   cu_q_lens    [S+1] int32         0 = cu[0] <= cu[1] <= ... <= T
 Query row i of sequence s sits at position kv_lens[s] - q_len + i (causal, bottom-right).
 
-How the kernel works. The packed query rows are cut into tiles of ``block_q`` tokens; the grid walks
-(tile, sequence) work items in order (computed on device from cu_q_lens), so a tile shared by
-several short sequences (decode) is one resident output block that each of them fills in. For an
+How the kernel works. The packed query rows are cut into tiles of ``block_q`` tokens, one grid step
+each; a step loops over its (tile, sequence) work items, the sequences with rows in the tile (their
+range computed on device from cu_q_lens), so a tile shared by several short sequences (decode) is one
+resident output block that each of them fills in, and a decode batch is one grid step. For an
 item, only the pages its rows can see (causal end, sliding-window start) are fetched, ``block_kv``
 tokens at a time, by manual DMAs from HBM into a double-buffered VMEM scratch: chunk c+1 is in
 flight while chunk c is computed, and during an item's last chunk the next item's first (its
@@ -59,10 +60,10 @@ QUANT_MAX = {"float8_e4m3fn": 448.0, "int8": 127.0}
 INDEX_DTYPES = ("int32", "int64")
 MiB = 1 << 20
 # Each page of a chunk is its own DMA, issued by unrolled scalar code; every chunk is a DMA-loop
-# iteration (cost model v2, Qwen3 decode B=64 x 8k, page 16, layer at 0.35 us per step: 256 pages per
-# chunk 487.1 us on TPU7x and 724.6 on v6e, 64 pages 665.6 and 796.4; 512 would not fit VMEM).
-MAX_PAGES_PER_CHUNK = 256
-KV_VMEM_BUDGET = 40 * MiB  # chunks shrink (halving) until the kernel's VMEM estimate fits
+# iteration (cost model v2, Qwen3 decode B=64 x 8k, page 16, one tile's items per grid step, layer at
+# 0.35 us per step on TPU7x: 512 pages per chunk 420.3 us, 256 447.1; v5e and v6e are DMA-bound either way).
+MAX_PAGES_PER_CHUNK = 512
+KV_VMEM_BUDGET = 48 * MiB  # chunks shrink (halving) until the kernel's VMEM estimate fits (TPU7x: 64 MiB)
 WRITE_ROWS_PER_STEP = 16  # write_kv: new rows whose DMAs one loop iteration starts (unrolled)
 SUB_BLOCK = 512  # keys scored at once: a chunk is computed up to its last sub-block holding keys the rows see
 
@@ -70,7 +71,7 @@ SUB_BLOCK = 512  # keys scored at once: a chunk is computed up to its last sub-b
 # --------------------------------------------------------------------------- validation
 
 def validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=0.0, window=0,
-             softcap=0.0, block_q=0, block_kv=4096, k_scale=None, v_scale=None):
+             softcap=0.0, block_q=0, block_kv=8192, k_scale=None, v_scale=None):
     """Raise ValueError/TypeError naming the bad argument; checks values too when they are on the host."""
     check_array("q", q, dtypes=KV_DTYPES, ndim=3)
     check_array("k_pages", k_pages, dtypes=CACHE_DTYPES, ndim=4)
@@ -195,29 +196,15 @@ def _default_block_q(group: int, dtype) -> int:
     return bq
 
 
-def work_items(cu_q_lens, num_tiles: int, block_q: int):
-    """(item_tile, item_seq) int32 [2 * num_tiles + S]: per tile a zero-init item (seq -1) first, then
-    one item per sequence with rows in that tile, in order; padding items have seq -2 (no-op)."""
-    num_seqs = cu_q_lens.shape[0] - 1
-    starts, ends = cu_q_lens[:-1], cu_q_lens[1:]
-    has_rows = ends > starts
-    first = _udiv(starts, block_q)  # cu_q_lens is sanitized: non-negative
-    count = jnp.where(has_rows, _udiv(ends - 1, block_q) - first + 1, 0)
-    max_real = num_tiles + num_seqs
-    csum = jnp.cumsum(count)
-    i = jnp.arange(max_real, dtype=jnp.int32)
-    seq = jnp.minimum(_searchsorted_right(csum, i), num_seqs - 1)
-    tile = first[seq] + i - (csum - count)[seq]
-    real = i < csum[-1]
-    # Sort key: tile-major, zero-init item (rank 0) before the tile's sequences (rank s + 1).
-    big = num_tiles * (num_seqs + 2)
-    key_real = jnp.where(real, tile * (num_seqs + 2) + seq + 1, big)
-    zero_tiles = jnp.arange(num_tiles, dtype=jnp.int32)
-    keys = jnp.concatenate([zero_tiles * (num_seqs + 2), key_real])
-    tiles = jnp.concatenate([zero_tiles, jnp.where(real, tile, num_tiles - 1)])
-    seqs = jnp.concatenate([jnp.full((num_tiles,), -1, jnp.int32), jnp.where(real, seq, -2)])
-    order = jnp.argsort(keys, stable=True)
-    return tiles[order].astype(jnp.int32), seqs[order].astype(jnp.int32)
+def _count_prefix(ref, first: int, n: int, pred):
+    """How many of ref[first], ..., ref[first + n - 1] (sorted so that ``pred`` holds on a prefix) satisfy
+    ``pred``: a branch-free binary search in scalar code, log2(n) steps."""
+    pos, step = 0, 1 << max(n.bit_length() - 1, 0)
+    while step and n:
+        cand = pos + step
+        pos = jnp.where((cand <= n) & pred(ref[first + jnp.minimum(cand, n) - 1]), cand, pos)
+        step //= 2
+    return pos
 
 
 def _udiv(a, b: int):
@@ -266,23 +253,22 @@ def _div(a, b):
     return jax.lax.div(jnp.asarray(a, jnp.int32), jnp.asarray(b, jnp.int32))
 
 
-def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch (SMEM)
+def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
             q_ref, table_hbm, k_hbm, v_hbm, sinks_ref, scales_ref,  # inputs
             o_ref,  # output block [Hkv, R, D]
             table_smem, state, kbuf, vbuf, sems, table_sems, m_ref, l_ref, acc_ref,  # scratch
             *, pps, scale, window, softcap, block_q, group, pages_per_block, block_sizes, has_sinks, quantized,
             e4m3_b11):
-    item, num_items = pl.program_id(0), pl.num_programs(0)
-    seq = item_seq_ref[item]
+    tile, num_tiles = pl.program_id(0), pl.num_programs(0)
+    num_seqs = cu_ref.shape[0] - 1
     num_pages, page = k_hbm.shape[0], k_hbm.shape[1] // o_ref.shape[0]
     hkv, rows, d = o_ref.shape
     stride = table_smem.shape[0] // 2  # table_smem holds two page-table rows
     chunk = pages_per_block * page
     sub = SUB_BLOCK if chunk % SUB_BLOCK == 0 else chunk  # keys per score block: a chunk's last is partly past the end
 
-    def plan(it):
-        """Item ``it``'s rows [lo, hi) of the packed queries and the pages [first_page, end_page) they see."""
-        s, tile = jnp.maximum(item_seq_ref[it], 0), item_tile_ref[it]
+    def plan(tile, s):
+        """Item (tile, s)'s rows [lo, hi) of the packed queries and the pages [first_page, end_page) they see."""
         kv_len = kv_lens_ref[s]
         q_start, q_end = cu_ref[s], cu_ref[s + 1]
         tile_start = tile * block_q
@@ -293,13 +279,13 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
         kv_end = jnp.clip(offset + hi - q_start, 0, kv_len)
         kv_begin = 0 if window == 0 else jnp.clip(offset + lo - q_start - window + 1, 0, kv_end)
         first_page = _div(kv_begin, page)
-        end_page = jnp.minimum(_div(kv_end + page - 1, page), pps)
+        # no pages for an empty sequence (an item only when it sits between others of the tile)
+        end_page = jnp.where(hi > lo, jnp.minimum(_div(kv_end + page - 1, page), pps), first_page)
         num_chunks = _div(jnp.maximum(end_page - first_page, 0) + pages_per_block - 1, pages_per_block)
         return dict(tile_start=tile_start, q_start=q_start, lo=lo, hi=hi, offset=offset, kv_end=kv_end,
                     first_page=first_page, end_page=end_page, num_chunks=num_chunks)
 
-    def table_copy(it, row):  # sequence of item it's page-table row (padded) -> table_smem[row * stride:]
-        s = jnp.maximum(item_seq_ref[it], 0)
+    def table_copy(s, row):  # sequence s's page-table row (padded) -> table_smem[row * stride:]
         return pltpu.make_async_copy(table_hbm.at[s], table_smem.at[pl.ds(row * stride, table_hbm.shape[1])],
                                      table_sems.at[row])
 
@@ -334,39 +320,49 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
                     pltpu.make_async_copy(pages, pages, sem).wait()
             b *= 2
 
-    # State carried from item to item (the grid runs in order): which table_smem row holds this
-    # item's page-table row, which K/V slot its first chunk goes to, and the item whose first chunk
-    # (and table row) the previous item already fetched: an item's first chunk is prefetched while
-    # the previous item computes its last, so no item waits for its first DMA.
-    ROW, SLOT, PREFETCHED = 0, 1, 2
+    # State carried from item to item (the grid runs in order, each tile's items in a loop): which
+    # table_smem row holds this item's page-table row, which K/V slot its first chunk goes to, and the
+    # item (tile, sequence) whose first chunk (and table row) the previous item already fetched: an
+    # item's first chunk is prefetched while the previous item computes its last, so no item waits
+    # for its first DMA.
+    ROW, SLOT, PF_TILE, PF_SEQ = 0, 1, 2, 3
 
-    @pl.when(item == 0)
+    @pl.when(tile == 0)
     def _init():
-        state[ROW], state[SLOT], state[PREFETCHED] = 0, 0, -1
+        state[ROW], state[SLOT], state[PF_TILE], state[PF_SEQ] = 0, 0, -1, -1
 
-    @pl.when(seq == -1)  # first item of a tile: rows no sequence owns (padding) stay 0
-    def _zero():
-        o_ref[...] = jnp.zeros_like(o_ref)
+    o_ref[...] = jnp.zeros_like(o_ref)  # rows no sequence owns (padding) stay 0
 
-    @pl.when(seq >= 0)
-    def _attend():
-        me = plan(item)
+    def tile_sequences(t):
+        """The sequences with rows in query tile t: [lo, hi), found in cu (sanitized: sorted). Empty ones at
+        the end are in no tile; one between others is an item without rows."""
+        start, end = t * block_q, jnp.minimum(t * block_q + block_q, cu_ref[num_seqs])
+        lo = _count_prefix(cu_ref, 1, num_seqs, lambda c: c <= start)  # sequences ending by the tile's start
+        hi = _count_prefix(cu_ref, 0, num_seqs, lambda c: c < end)  # sequences starting before its end
+        return lo, jnp.maximum(hi, lo)
+
+    seq_lo, seq_hi = tile_sequences(tile)
+    next_lo, next_hi = tile_sequences(tile + 1)
+
+    def attend(s, carry):
+        me = plan(tile, s)
         tile_start, q_start, lo, hi = me["tile_start"], me["q_start"], me["lo"], me["hi"]
         offset, kv_end, first_page, num_chunks = me["offset"], me["kv_end"], me["first_page"], me["num_chunks"]
         row, base = state[ROW], state[SLOT]
-        prefetched = state[PREFETCHED] == item
+        prefetched = (state[PF_TILE] == tile) & (state[PF_SEQ] == s)
 
         @pl.when(jnp.logical_not(prefetched))
         def _():
-            table_copy(item, row).start()
-            table_copy(item, row).wait()
+            table_copy(s, row).start()
+            table_copy(s, row).wait()
 
-        # The next item that attends: the next one, or the one after a tile's zero-init item.
-        nxt1 = jnp.minimum(item + 1, num_items - 1)
-        nxt2 = jnp.minimum(item + 2, num_items - 1)
-        nxt = jnp.where(item_seq_ref[nxt1] >= 0, nxt1, nxt2)
-        has_next = (item_seq_ref[nxt] >= 0) & (nxt > item) & (num_chunks > 0)
-        nxt_plan = plan(nxt)
+        # The next item: the next sequence in this tile, else the next tile's first (if it has any).
+        in_tile = s + 1 < seq_hi
+        nxt_tile = jnp.where(in_tile, tile, tile + 1)
+        nxt = jnp.where(in_tile, s + 1, next_lo)
+        has_next = (in_tile | ((tile + 1 < num_tiles) & (next_lo < next_hi))) & (num_chunks > 0)
+        nxt = jnp.minimum(nxt, num_seqs - 1)  # a sequence id in range even when there is no next
+        nxt_plan = plan(nxt_tile, nxt)
 
         @pl.when(has_next)
         def _():
@@ -482,7 +478,8 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
         jax.lax.fori_loop(0, num_chunks + lead, body, 0)
         state[SLOT] = jax.lax.rem(base + num_chunks, 2)
         state[ROW] = jnp.where(has_next, 1 - row, row)
-        state[PREFETCHED] = jnp.where(has_next, nxt, -1)
+        state[PF_TILE] = jnp.where(has_next, nxt_tile, -1)
+        state[PF_SEQ] = nxt
 
         def finalize_block(size, j, carry):
             _, rs, r, _, mine = block_rows(size, j)
@@ -499,6 +496,10 @@ def _kernel(kv_lens_ref, cu_ref, item_tile_ref, item_seq_ref,  # scalar prefetch
             return carry
 
         for_blocks(finalize_block)
+        return carry
+
+    # A tile's items are a loop in its grid step (not a step each): sequences seq_lo..seq_hi-1 have rows in it.
+    jax.lax.fori_loop(seq_lo, seq_hi, attend, 0)
 
 
 def _word_runs(hkv: int, itemsize: int) -> int:
@@ -595,7 +596,7 @@ def ragged_paged_attention(
     window: int = 0,
     softcap: float = 0.0,
     block_q: int = 0,
-    block_kv: int = 4096,
+    block_kv: int = 8192,
     k_scale: jax.Array | None = None,
     v_scale: jax.Array | None = None,
 ) -> jax.Array:
@@ -604,7 +605,7 @@ def ragged_paged_attention(
     ``scale`` 0 = head_dim**-0.5 (the default), ``window`` 0 = none (else transformers' sliding
     window: key > query - window), ``softcap`` 0 = none, ``sinks`` [Hq] GPT-OSS sink logits,
     ``block_q`` query tokens per tile (0 = about 1024 rows), ``block_kv`` tokens fetched per DMA
-    chunk (rounded to whole pages; at most 256 pages, fewer when the chunk would not fit VMEM). Zero sizes: no query rows -> [0, Hq, D]; no sequences, an empty
+    chunk (rounded to whole pages; at most 512 pages, fewer when the chunk would not fit VMEM). Zero sizes: no query rows -> [0, Hq, D]; no sequences, an empty
     page table or an empty cache -> zeros (no row has a key to attend).
 
     A quantized cache (``k_pages``/``v_pages`` float8_e4m3fn or int8, written by ``write_kv``) needs
@@ -634,7 +635,6 @@ def ragged_paged_attention(
     t_pad = num_tiles * bq
 
     cu = sanitize_cu(cu_q_lens, t)
-    item_tile, item_seq = work_items(cu, num_tiles, bq)
     # [T, Hq, D] -> [Hkv, T*G, D]: row (token, g) of head h is q[token, h*G + g].
     qg = jnp.pad(q, ((0, t_pad - t), (0, 0), (0, 0))).reshape(t_pad, hkv, group, d)
     qg = qg.transpose(1, 0, 2, 3).reshape(hkv, t_pad * group, d)
@@ -646,21 +646,21 @@ def ragged_paged_attention(
         _kernel, pps=pps, scale=am.resolve_scale(scale, d), window=int(window), softcap=float(softcap), block_q=bq, group=group,
         pages_per_block=pages_per_block, block_sizes=_block_sizes(rows, q.dtype), has_sinks=sinks is not None,
         quantized=quantized, e4m3_b11=quantized and k_pages.dtype == jnp.float8_e4m3fn and reads_e4m3_as_b11())
-    block = pl.BlockSpec((hkv, rows, d), lambda i, lens, cu, tiles, seqs: (0, tiles[i], 0))
+    block = pl.BlockSpec((hkv, rows, d), lambda i, *_: (0, i, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     vmem = vmem_estimate(rows, hkv, d, page, pages_per_block, k_pages.dtype)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((hkv, t_pad * group, d), q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(item_tile.shape[0],),
+            num_scalar_prefetch=2,
+            grid=(num_tiles,),
             in_specs=[block, any_spec, any_spec, any_spec, pl.BlockSpec(memory_space=pltpu.SMEM),
                       pl.BlockSpec(memory_space=pltpu.SMEM)],
             out_specs=block,
             scratch_shapes=[
                 pltpu.SMEM((2 * (pps_pad + _round_up(pages_per_block, 128)),), jnp.int32),  # this item's, the next's
-                pltpu.SMEM((3,), jnp.int32),  # state carried between items (ROW, SLOT, PREFETCHED)
+                pltpu.SMEM((4,), jnp.int32),  # state carried between items (ROW, SLOT, PF_TILE, PF_SEQ)
                 pltpu.VMEM((2, pages_per_block * page * hkv, d), k_pages.dtype),
                 pltpu.VMEM((2, pages_per_block * page * hkv, d), v_pages.dtype),
                 pltpu.SemaphoreType.DMA((2, 2)),
@@ -678,7 +678,7 @@ def ragged_paged_attention(
             disable_bounds_checks=True,
         ),
         name="ragged_paged_attention",
-    )(kv_lens.astype(jnp.int32), cu, item_tile, item_seq,
+    )(kv_lens.astype(jnp.int32), cu,
       qg, table, k_pages.reshape(num_pages, page * hkv, d),
       v_pages.reshape(num_pages, page * hkv, d), sinks_f32, scales.astype(jnp.float32))
     out = out.reshape(hkv, t_pad, group, d).transpose(1, 0, 2, 3).reshape(t_pad, hq, d)
