@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import torch
+from jax import lax
 
 from . import pallas
 from ._bridge import check_array, dtype_name, jax_op
@@ -176,7 +177,7 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
     key = jnp.where((ids >= 0) & (ids < e), ids, e)  # sentinels (and padding) sort past every group
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.bincount(key, length=e + 1)[:e].astype(jnp.int32)
-    x = hidden_states.astype(wdt)[order // k]
+    x = hidden_states.astype(wdt)[lax.div(order.astype(jnp.uint32), jnp.uint32(k))]  # unsigned: no sign fix-up
     if quantized and pallas.is_mxfp4(gate_up_proj) and not is_transposed:  # the kernel reads [E, in/2, out]
         gate_up_proj, down_proj, gate_up_scale, down_scale = (
             jnp.swapaxes(a, 1, 2) for a in (gate_up_proj, down_proj, gate_up_scale, down_scale))
@@ -215,7 +216,7 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
                        rhs_scale=down_scale)
     # unsort by gathering each (token, k) row back, weight in the promoted dtype (as grouped_mm),
     # sum over k in f32: one XLA fusion reading y once, no [S, H] temporary
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    inverse = jnp.argsort(order)  # a sort: a scatter of T*k indices is far slower on TPU (257 against 24 us at 64k)
     prod = jnp.promote_types(y.dtype, top_k_weights.dtype)
     rows = y[inverse].reshape(t, k, h).astype(prod)
     out = (rows * top_k_weights[:, :, None].astype(prod)).astype(jnp.float32).sum(axis=1)

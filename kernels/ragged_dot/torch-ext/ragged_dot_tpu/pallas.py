@@ -208,31 +208,36 @@ def group_metadata(group_sizes: jax.Array, m: int, tm: int, *, visit_empty: bool
     """
     g = group_sizes.shape[0]
     tiles = -(-m // tm)
+    # Every op here is a launch on the TPU (XLA leaves small scalar ops unfused): unsigned division of
+    # these non-negative values (a signed one adds sign fix-up ops: negate, select, ...), a compare-all
+    # searchsorted (one fusion, not a while loop) and one cummax for both fetch indices.
+    div = lambda a: lax.div(a.astype(jnp.uint32), jnp.uint32(tm)).astype(jnp.int32)  # noqa: E731
     gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     ends = jnp.minimum(jnp.cumsum(gs), m).astype(jnp.int32)
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
     nonempty = ends > starts
-    first_tile = jnp.minimum(starts // tm, tiles - 1)
-    last_tile = (jnp.maximum(ends, 1) - 1) // tm
+    first_tile = jnp.minimum(div(starts), tiles - 1)
+    last_tile = div(jnp.maximum(ends, 1) - 1)
     count = jnp.where(nonempty, last_tile - first_tile + 1, 1 if visit_empty else 0)
     csum = jnp.cumsum(count)
     real = csum[-1]
-    used_tiles = (ends[-1] + tm - 1) // tm
+    used_tiles = div(ends[-1] + tm - 1)
     num_items = real + (tiles - used_tiles if tail else 0)
 
     size = tiles + g  # static bound: every group boundary adds at most one item
     idx = jnp.arange(size, dtype=jnp.int32)
-    grp = jnp.minimum(jnp.searchsorted(csum, idx, side="right"), g).astype(jnp.int32)
+    grp = jnp.minimum(jnp.searchsorted(csum, idx, side="right", method="compare_all"), g).astype(jnp.int32)
     grp_c = jnp.minimum(grp, g - 1)
     is_real = idx < real
     tile = jnp.where(is_real, first_tile[grp_c] + idx - (csum - count)[grp_c], used_tiles + idx - real)
-    last = jnp.maximum(num_items - 1, 0)  # past the end (never run): repeat the last item
-    tile = jnp.minimum(jnp.where(idx < num_items, tile, tile[last]), tiles - 1).astype(jnp.int32)
+    tile = jnp.minimum(tile, tiles - 1).astype(jnp.int32)  # past num_items: never run, any valid tile
     item_group = jnp.where(is_real, grp, g).astype(jnp.int32)
     has_data = is_real & nonempty[grp_c]
-    fetch_group = jnp.maximum(lax.cummax(jnp.where(has_data, grp_c, -1)), 0).astype(jnp.int32)
-    fetch_tile = jnp.maximum(lax.cummax(jnp.where(has_data, tile, -1)), 0).astype(jnp.int32)
+    # the latest item that needs data: group and tile only grow along such items, so theirs are the maxima
+    src = lax.cummax(jnp.where(has_data, idx, -1))
+    fetch_group = jnp.where(src >= 0, grp_c[jnp.maximum(src, 0)], 0).astype(jnp.int32)
+    fetch_tile = jnp.where(src >= 0, tile[jnp.maximum(src, 0)], 0).astype(jnp.int32)
     return offsets, item_group, tile, fetch_group, fetch_tile, num_items.astype(jnp.int32)
 
 
