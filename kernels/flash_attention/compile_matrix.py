@@ -1,6 +1,6 @@
 """Compile matrix of flash-attention-tpu: Qwen3-30B-A3B attention (32 q / 4 kv heads, head_dim 128,
-bf16), forward and backward, 2k/8k causal prefill and decode against 8k/32k contexts, compiled for
-each TPU generation with that chip's block sizes and VMEM limit."""
+bf16), forward and backward, 2k/8k causal prefill and decode against 8k/32k contexts; GQA 16:1 and
+head_dim 256 at 8k; compiled for each TPU generation with that chip's block sizes and VMEM limit."""
 
 import functools
 
@@ -39,6 +39,13 @@ def configs(kernel):
             for label, fn in (("fwd", forward), ("fwd+bwd", backward)):
                 out.append(Config(f"qwen3-30b-a3b {name} causal {label}", functools.partial(fn, kernel, chip=chip),
                                   specs(b, sq, sk), dict(causal=True), chips=(chip,)))
+        # the other GQA ratio and head dim the bench races: Qwen3-235B-A22B (64 q / 4 kv heads, GQA 16:1)
+        # and Gemma-3-4B's global layers (8 q / 4 kv heads, head_dim 256), 8k causal
+        for name, (hq, hkv, d) in {"qwen3-235b-a22b (GQA 16:1)": (64, 4, 128),
+                                   "gemma-3-4b (head_dim 256)": (8, 4, 256)}.items():
+            for label, fn in (("fwd", forward), ("fwd+bwd", backward)):
+                out.append(Config(f"{name} prefill 8k causal {label}", functools.partial(fn, kernel, chip=chip),
+                                  specs(1, 8192, 8192, d=d, hq=hq, hkv=hkv), dict(causal=True), chips=(chip,)))
         # GPT-OSS-like sliding-window layer with sinks and soft-cap, head_dim 64, as a feature check
         out.append(Config("window 128 + sinks + softcap, D=64, 4k fwd+bwd",
                           functools.partial(_features, kernel, chip=chip),

@@ -81,7 +81,15 @@ GPT_OSS_20B = Model("GPT-OSS-20B", hidden=2880, experts=32, top_k=4, moe_interme
 # by every implementation as for GPT-OSS; the experts only (intermediate 704 is off the 128-lane grid).
 GEMMA4_26B_A4B = Model("Gemma-4-26B-A4B", hidden=2816, experts=128, top_k=8, moe_intermediate=704, short="Gemma-4",
                        prefill_tokens=(), decode=())
-MODELS = (QWEN3_30B_A3B, GPT_OSS_20B, GEMMA4_26B_A4B)
+# Attention-only shapes, for the GQA ratios and head dims the two models above lack: Qwen3-235B-A22B
+# (64 q / 4 kv heads, GQA 16:1, head_dim 128; Qwen3MoeConfig fields of its config.json) and Gemma-3-4B's
+# global (full causal) layers (8 q / 4 kv heads, head_dim 256: transformers' Gemma3TextConfig defaults,
+# documented as google/gemma-3-4b-it). Attention only: Qwen3-235B's experts are not raced, Gemma-3 is dense.
+QWEN3_235B_A22B = Model("Qwen3-235B-A22B", hidden=4096, experts=128, top_k=8, moe_intermediate=1536,
+                        q_heads=64, kv_heads=4, head_dim=128, short="Qwen3-235B", moe_tokens=(), decode=())
+GEMMA3_4B = Model("Gemma-3-4B", hidden=2304, experts=0, top_k=0, moe_intermediate=0, q_heads=8, kv_heads=4,
+                  head_dim=256, short="Gemma-3", moe_tokens=(), decode=())
+MODELS = (QWEN3_30B_A3B, GPT_OSS_20B, GEMMA4_26B_A4B, QWEN3_235B_A22B, GEMMA3_4B)
 # How transformers stores a model's bf16 experts where it is not [E, 2I, H] / [E, H, I] with [gate; up]
 # ("concatenated"): GptOssExperts (is_transposed=True) keeps gate_up [E, H, 2I] with gate and up in
 # alternate columns, and down [E, I, H]. The problems hold the concatenated layout; an implementation
