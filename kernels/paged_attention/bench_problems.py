@@ -1,6 +1,6 @@
 """What `pallas-hub bench` runs for paged-attention-tpu: one decode step of a continuous batch (write the
-new token's K/V into the paged cache, then attend; 1 to 256 sequences of 1k-4k tokens, pages of 16 and 128)
-beside jax's paged attention and vLLM TPU's ragged paged attention v3; and on fp8 and int8 caches."""
+new token's K/V into the paged cache, then attend; 1 to 256 sequences of 1k-4k tokens, pages of 16 and 128;
+and mixed batches of decode sequences and prefill chunks) beside jax's paged attention and vLLM TPU's ragged paged attention v3; and on fp8 and int8 caches."""
 
 import jax.numpy as jnp
 
@@ -10,8 +10,10 @@ FAMILY = "decode"  # the family's cache layout [P, page, Hkv, D] is this kernel'
 
 
 def implementation(kernel):
-    def fn(q, new_k, new_v, k_pages, v_pages, lengths, table, k_scale=None, v_scale=None, *, scale, chip):
-        cu_q_lens = jnp.arange(q.shape[0] + 1, dtype=jnp.int32)  # decode: one new token per sequence
+    def fn(q, new_k, new_v, k_pages, v_pages, lengths, table, k_scale=None, v_scale=None, *, scale, chip,
+           cu_q_lens=None):
+        # decode: one new token per sequence; a mixed batch gives its query rows per sequence
+        cu_q_lens = jnp.arange(q.shape[0] + 1, dtype=jnp.int32) if cu_q_lens is None else jnp.asarray(cu_q_lens, jnp.int32)
         k_pages, v_pages = kernel.pallas.write_kv(k_pages, v_pages, new_k, new_v, lengths, table, cu_q_lens,
                                                   k_scale=k_scale, v_scale=v_scale)
         out = kernel.pallas.ragged_paged_attention(q, k_pages, v_pages, lengths, table, cu_q_lens, scale=scale,

@@ -304,10 +304,12 @@ def splash_attention(q, k, v, *, scale):
 
 # --------------------------------------------------------------------------- decode attention
 
-def jax_paged_decode(q, new_k, new_v, k_pages, v_pages, lengths, page_indices, *, scale):
+def jax_paged_decode(q, new_k, new_v, k_pages, v_pages, lengths, page_indices, *, scale, cu_q_lens=None):
     """jax's paged_attention after writing this step's K/V into the pages with an XLA scatter.
 
-    Pages [Hkv, P, page, D]; ``lengths`` include the new token."""
+    Pages [Hkv, P, page, D]; ``lengths`` include the new token. One query per sequence: no mixed batches."""
+    if cu_q_lens is not None and list(cu_q_lens) != list(range(len(cu_q_lens))):
+        raise NotImplementedError("jax's paged_attention attends one query per sequence: no prefill chunks")
     page = k_pages.shape[2]
     pos = lengths - 1
     pid = jnp.take_along_axis(page_indices, (pos // page)[:, None], axis=1)[:, 0]
@@ -322,27 +324,34 @@ def jax_paged_decode(q, new_k, new_v, k_pages, v_pages, lengths, page_indices, *
     return out, k_pages, v_pages
 
 
-def vllm_rpa_decode(q, new_k, new_v, kv_cache, lengths, page_indices, *, scale):
-    """vLLM TPU's ragged paged attention v3 on a decode batch (one new token per sequence): it
-    writes the new K/V into its cache [P, page, 2 Hkv / packing, packing, D] and attends."""
+def _rpa_batch(lengths, cu_q_lens):
+    """RPA v3's (cu_q_lens, distribution) as vLLM TPU's runner sets them (decode requests first, then
+    ``[decode, decode, all]``: the rest go to its mixed kernel; its prefill-only kernel needs one static
+    chunk size, ``chunk_prefill_size``, which the runner does not pass)."""
+    b = lengths.shape[0]
+    cu = list(range(b + 1)) if cu_q_lens is None else [int(x) for x in cu_q_lens]
+    decode = next((i for i in range(b) if cu[i + 1] - cu[i] != 1), b)
+    return jnp.asarray(cu, jnp.int32), jnp.array([decode, decode, b], jnp.int32)
+
+
+def vllm_rpa_decode(q, new_k, new_v, kv_cache, lengths, page_indices, *, scale, cu_q_lens=None):
+    """vLLM TPU's ragged paged attention v3 on a decode or mixed batch (``cu_q_lens``: query rows per
+    sequence): it writes the new K/V into its cache [P, page, 2 Hkv / packing, packing, D] and attends."""
     from . import vllm_tpu
 
-    b = q.shape[0]
-    cu_q_lens = jnp.arange(b + 1, dtype=jnp.int32)
-    distribution = jnp.array([b, b, b], jnp.int32)  # all sequences decode-only
+    cu, distribution = _rpa_batch(lengths, cu_q_lens)
     out, cache = vllm_tpu.rpa_v3().ragged_paged_attention(q, new_k, new_v, kv_cache, lengths, page_indices.reshape(-1),
-                                                          cu_q_lens, distribution, sm_scale=scale)
+                                                          cu, distribution, sm_scale=scale)
     return out, cache
 
 
-def vllm_rpa_reference(q, new_k, new_v, kv_cache, lengths, page_indices, *, scale):
+def vllm_rpa_reference(q, new_k, new_v, kv_cache, lengths, page_indices, *, scale, cu_q_lens=None):
     """RPA v3's own plain-JAX reference (``ref_ragged_paged_attention``) on the same inputs."""
     from . import vllm_tpu
 
-    b = q.shape[0]
+    cu, distribution = _rpa_batch(lengths, cu_q_lens)
     out = vllm_tpu.rpa_v3().ref_ragged_paged_attention(
-        q, new_k, new_v, kv_cache, lengths, page_indices.reshape(-1), jnp.arange(b + 1, dtype=jnp.int32),
-        jnp.array([b, b, b], jnp.int32), sm_scale=scale)
+        q, new_k, new_v, kv_cache, lengths, page_indices.reshape(-1), cu, distribution, sm_scale=scale)
     return out[0] if isinstance(out, tuple) else out
 
 

@@ -12,7 +12,8 @@ Three layers (DESIGN.md "Shapes that matter"):
 * ``decode``: one decode step of a continuous batch: write each sequence's new K/V into the paged
   cache (in place), then attend over its context (the new token included). Context lengths are
   seeded uniform in ``DECODE_CONTEXT``, or all one given length (the long-context rows); pages of
-  ``page`` tokens scattered at random over one pool.
+  ``page`` tokens scattered at random over one pool. A mixed batch (``MIXED``) holds decode sequences
+  and then prefill chunks (vLLM's order), its query rows ragged by ``cu_q_lens`` (a keyword argument).
 
 A problem's ``format`` is how its big operand is stored: "bf16", or quantized (``QUANT_FORMATS``):
 the experts' weights as checkpoints store them (fp8 e4m3 with f32 scales per 128 x 128 block, the
@@ -97,6 +98,10 @@ MODELS = (QWEN3_30B_A3B, GPT_OSS_20B, GEMMA4_26B_A4B, QWEN3_235B_A22B, GEMMA3_4B
 # (Not a field of Model: that would change every problem's recipe, the compile cache's key.)
 EXPERTS_STORAGE = {GPT_OSS_20B.name: "transposed-interleaved"}
 DECODE_CONTEXT = (1024, 4096)  # each sequence's context length, uniform in this range (seeded)
+# Mixed prefill/decode batches: (decode sequences, prefill chunks, tokens per chunk, page size). Every
+# sequence's length (its chunk included) is uniform in DECODE_CONTEXT. (Not a Model field: that would
+# change every problem's recipe, the compile cache's key.)
+MIXED = {QWEN3_30B_A3B.name: ((60, 4, 128, 16), (60, 4, 128, 128))}
 
 
 @dataclasses.dataclass
@@ -380,6 +385,69 @@ def decode_problem(m: Model, batch: int, page: int, fmt: str = "bf16", context: 
         recipe=("decode", dataclasses.asdict(m), batch, page, fmt) + ((context,) if context else ()), format=fmt)
 
 
+def ragged_reference(q, new_k, new_v, k_pages, v_pages, lengths, table, cu_q_lens, scale):
+    """Dense f32 reference of a ragged batch: sequence i's new tokens (rows cu_q_lens[i]:cu_q_lens[i+1])
+    written at positions lengths[i] - q_len ... lengths[i] - 1, each attending causally over its prefix."""
+    page = k_pages.shape[1]
+    cu = np.asarray(cu_q_lens)
+    outs = []
+    for i, length in enumerate(np.asarray(lengths)):
+        rows = slice(int(cu[i]), int(cu[i + 1]))
+        pos = np.arange(length - (cu[i + 1] - cu[i]), length)
+        pid = np.asarray(table)[i, pos // page]
+        k_pages = k_pages.at[pid, pos % page].set(new_k[rows])
+        v_pages = v_pages.at[pid, pos % page].set(new_v[rows])
+        pages = np.asarray(table)[i, :-(-length // page)]
+        dense = lambda p: jnp.moveaxis(p[pages].reshape(-1, p.shape[2], p.shape[3])[:length], 1, 0)[None]  # noqa: E731
+        qi = jnp.moveaxis(q[rows], 1, 0)[None]  # [1, Hq, q_len, D]: causal aligned to the end
+        outs.append(jnp.moveaxis(attention_reference(qi, dense(k_pages), dense(v_pages), scale)[0], 0, 1))
+    return jnp.concatenate(outs)
+
+
+def _mixed_check(m: Model, page: int) -> Check:
+    hq, hkv, d = m.q_heads // m.kv_heads, 1, m.head_dim
+    lengths = np.array([37, 200, 16, 150, 97], np.int32)
+    q_lens = np.array([1, 1, 1, 20, 33])  # three decode sequences, then two prefill chunks
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    table, total = paged_table(lengths, page, seed=5, multiple=max(1, 128 // page))
+    rng = np.random.default_rng(6)
+    q = jnp.asarray(rng.standard_normal((cu[-1], hq, d)), BF16)
+    new_k, new_v = (jnp.asarray(rng.standard_normal((cu[-1], hkv, d)), BF16) for _ in range(2))
+    kp, vp = (jnp.asarray(rng.standard_normal((total, page, hkv, d)), BF16) for _ in range(2))
+    scale = 1 / math.sqrt(d)
+    args = (q, new_k, new_v, kp, vp, jnp.asarray(lengths), jnp.asarray(table))
+    return Check(args, {"scale": scale, "cu_q_lens": tuple(int(x) for x in cu)},
+                 ragged_reference(*args, cu, scale),
+                 f"{len(lengths)} seqs of {', '.join(map(str, lengths))} tokens with {', '.join(map(str, q_lens))} new, "
+                 f"{hq} q / {hkv} kv heads, page {page}", 2e-2)
+
+
+def mixed_problem(m: Model, decode: int, chunks: int, chunk: int, page: int) -> Problem:
+    """One step of a mixed batch: ``decode`` sequences with one new token, then ``chunks`` prefill chunks
+    of ``chunk`` new tokens each; write the new K/V, then attend."""
+    hq, hkv, d = m.q_heads, m.kv_heads, m.head_dim
+    batch = decode + chunks
+    lengths = np.random.default_rng(1000 + batch).integers(*DECODE_CONTEXT, size=batch, endpoint=True).astype(np.int32)
+    q_lens = np.array([1] * decode + [chunk] * chunks)
+    cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    tokens = int(cu[-1])
+    table, total = paged_table(lengths, page, seed=batch, multiple=max(1, 128 // page))
+    ctx = int(lengths.sum())
+    cache = sds((total, page, hkv, d))
+    keys_seen = int(sum(ql * (length - ql) + ql * (ql + 1) // 2 for ql, length in zip(q_lens, lengths)))
+    return Problem(
+        "decode", m.name, f"{m.short} mixed {decode} decode + {chunks}x{chunk} prefill page {page}",
+        {"batch": batch, "decode": decode, "prefill_chunks": chunks, "chunk": chunk, "new_tokens": tokens,
+         "context_tokens": ctx, "context_min": int(lengths.min()), "context_max": int(lengths.max()), "page": page,
+         "q_heads": hq, "kv_heads": hkv, "head_dim": d, "format": "bf16"},
+        (sds((tokens, hq, d)), sds((tokens, hkv, d)), sds((tokens, hkv, d)), cache, cache, jnp.asarray(lengths),
+         jnp.asarray(table)), {"scale": 1 / math.sqrt(d), "cu_q_lens": tuple(int(x) for x in cu)},
+        min_bytes=2 * hkv * ctx * d * 2 + 2 * (2 * tokens * hq * d + 2 * tokens * hkv * d),
+        min_flops=4 * hq * d * keys_seen,
+        check=functools.partial(_mixed_check, m, page), check_key=("mixed", hq // hkv, d, page),
+        recipe=("mixed", dataclasses.asdict(m), decode, chunks, chunk, page))
+
+
 def problems(models=MODELS, families=("moe", "prefill", "decode")) -> list[Problem]:
     out = []
     for m in models:
@@ -390,10 +458,11 @@ def problems(models=MODELS, families=("moe", "prefill", "decode")) -> list[Probl
         if "decode" in families:
             out += [decode_problem(m, b, p, context=c[0] if c else None) for b, p, *c in m.decode]
             out += [decode_problem(m, b, p, f) for f, b, p in m.quantized_decode]
+            out += [mixed_problem(m, *spec) for spec in MIXED.get(m.name, ())]
     return out
 
 
-_BUILDERS = {"moe": moe_problem, "prefill": prefill_problem, "decode": decode_problem}
+_BUILDERS = {"moe": moe_problem, "prefill": prefill_problem, "decode": decode_problem, "mixed": mixed_problem}
 
 
 def rebuild(recipe) -> Problem:
