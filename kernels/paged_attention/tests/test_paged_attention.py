@@ -437,6 +437,42 @@ def test_write_kv_matches_host_loop(load_kernel, mode):
     assert not np.array_equal(rk, np.asarray(kp))  # the check can fail: something was written
 
 
+@pytest.mark.parametrize("mode", ["fast", pytest.param("strict", marks=pytest.mark.strict_interpret)])
+@pytest.mark.parametrize("page, dtype", [(16, jnp.bfloat16), (32, jnp.float32)])
+def test_write_kv_copies_runs_of_new_rows(load_kernel, mode, page, dtype):
+    """Prefill chunks are written as runs (consecutive rows of one page: one DMA per power of two in
+    the run): runs starting mid-page, whole pages, a page's last row, more runs than one loop
+    iteration takes (16), decode rows and empty sequences between them, padding rows after."""
+    k = load_kernel("paged_attention")
+    q_lens = [40, 1, 0, 2 * page, 3, *[1] * 14, page + 5, 0, 7]
+    kv_lens = [45, 9, 4, 2 * page, page + 1, *range(20, 34), 3 * page, 2, 7]
+    q, kp, vp, lens, table, cu, _ = make_case(q_lens, kv_lens, page=page, hq=2, hkv=2, dtype=dtype, extra_rows=5)
+    new_k, new_v = q, -q
+    rk, rv = k.pallas.reference_write(kp, vp, new_k, new_v, lens, table, cu)
+    with interpret(mode):
+        ko, vo = jax.jit(k.pallas.write_kv)(kp, vp, new_k, new_v, lens, table, cu)
+    np.testing.assert_array_equal(np.asarray(ko), rk)
+    np.testing.assert_array_equal(np.asarray(vo), rv)
+    pid, off, run = (np.asarray(a) for a in k.pallas.write_slots(lens, table, cu, q.shape[0], kp.shape[0], page))
+    assert run[cu[-1]:].tolist() == [0] * 5 and run.max() == page  # padding ends the walk; a whole page is one run
+    assert (off + run <= page)[pid >= 0].all()
+
+
+@pytest.mark.parametrize("mode", ["fast", pytest.param("strict", marks=pytest.mark.strict_interpret)])
+def test_write_kv_decode_rows_one_by_one(load_kernel, mode):
+    """No more rows than sequences (a decode batch): the kernel walks rows one by one (runs of 1),
+    more than one loop iteration's worth (16), past sequences without a new row."""
+    k = load_kernel("paged_attention")
+    q_lens = [1, 1, 0, *[1] * 17, 0]
+    q, kp, vp, lens, table, cu, _ = make_case(q_lens, [5, 17, 3, *range(30, 47), 4], hq=2, hkv=2, extra_rows=0)
+    assert q.shape[0] <= len(q_lens)
+    rk, rv = k.pallas.reference_write(kp, vp, q, 3 * q, lens, table, cu)
+    with interpret(mode):
+        ko, vo = jax.jit(k.pallas.write_kv)(kp, vp, q, 3 * q, lens, table, cu)
+    np.testing.assert_array_equal(np.asarray(ko), rk)
+    np.testing.assert_array_equal(np.asarray(vo), rv)
+
+
 def test_write_kv_in_place_on_overlapping_views(load_kernel):
     # transformers' k_cache/v_cache are views of one buffer, offset by one page (K and V pages alternate).
     k = load_kernel("paged_attention")

@@ -62,7 +62,7 @@ def _write_targets(kv_lens: jax.Array, page_indices: jax.Array, cu_q_lens: jax.A
     of new token source[i] (``pallas.write_slots``). A token that must not be written (padding, a target
     outside the cache) repeats the first written token's target and source, so repeated targets carry
     identical values; with nothing to write, source is -1 and the target (page 0) keeps its own value."""
-    pid, off = pallas.write_slots(kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32),
+    pid, off, _ = pallas.write_slots(kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32),
                                   cu_q_lens.astype(jnp.int32), tokens, num_pages, page)
     ok = pid >= 0
     j = jnp.argmax(ok)  # the first token written, or 0

@@ -64,7 +64,7 @@ MiB = 1 << 20
 # 0.35 us per step on TPU7x: 512 pages per chunk 420.3 us, 256 447.1; v5e and v6e are DMA-bound either way).
 MAX_PAGES_PER_CHUNK = 512
 KV_VMEM_BUDGET = 48 * MiB  # chunks shrink (halving) until the kernel's VMEM estimate fits (TPU7x: 64 MiB)
-WRITE_ROWS_PER_STEP = 16  # write_kv: new rows whose DMAs one loop iteration starts (unrolled)
+WRITE_RUNS_PER_STEP = 16  # write_kv: runs of new rows whose DMAs one loop iteration starts (unrolled)
 # Keys scored at once: a chunk is computed up to its last sub-block holding keys the rows see. 1024 rather
 # than 512 (cost model v2): TPU7x 64 x 8k decode 418 -> 374 us, 64 x 32k 1604 -> 1428; fp8 caches +1-2% on v5e/v6e.
 SUB_BLOCK = 1024
@@ -744,8 +744,9 @@ def _check_distinct_slots(kv_lens, page_indices, cu_q_lens, t, num_pages, page):
     if kv_lens is None or page_indices is None or cu_q_lens is None or t == 0 or page_indices.size == 0:
         return
     with jax.ensure_compile_time_eval(), jax.default_device(jax.devices("cpu")[0]):  # eager, on the host
-        pid, off = (np.asarray(a) for a in write_slots(jnp.asarray(kv_lens, jnp.int32), jnp.asarray(page_indices, jnp.int32),
-                                                       jnp.asarray(cu_q_lens, jnp.int32), t, num_pages, page))
+        pid, off, _ = (np.asarray(a) for a in write_slots(jnp.asarray(kv_lens, jnp.int32),
+                                                          jnp.asarray(page_indices, jnp.int32),
+                                                          jnp.asarray(cu_q_lens, jnp.int32), t, num_pages, page))
     rows = np.flatnonzero(pid >= 0)
     slots = pid[rows].astype(np.int64) * page + off[rows]
     _, first, counts = np.unique(slots, return_index=True, return_counts=True)
@@ -758,55 +759,80 @@ def _check_distinct_slots(kv_lens, page_indices, cu_q_lens, t, num_pages, page):
                          f"cache slot (otherwise the last write silently wins)")
 
 
-def write_slots(kv_lens, page_indices, cu_q_lens, t, num_pages, page, rows=None):
-    """(page id, row in page) for each packed new token (``rows`` >= t entries, default t); page id -1 =
-    do not write (padding rows, or a target outside the cache: a bad write is skipped rather than
-    clamped onto another page)."""
+def write_slots(kv_lens, page_indices, cu_q_lens, t, num_pages, page, rows=None, max_run=None):
+    """(page id, row in page, run) for each packed new token (``rows`` >= t entries, default t); page id
+    -1 = do not write (padding rows, or a target outside the cache: a bad write is skipped rather than
+    clamped onto another page). A written token's run is how many tokens from it on, itself included
+    and at most ``max_run`` (default: a page), go to consecutive rows of the same page (same
+    sequence): one copy can write them all. A token not written has run 1, a row past the last new
+    token 0."""
     num_seqs, pps = page_indices.shape
     rows = t if rows is None else rows
     if num_seqs == 0 or pps == 0:  # no sequence, or no pages: nothing to write
-        return jnp.full((rows,), -1, jnp.int32), jnp.zeros((rows,), jnp.int32)
+        return jnp.full((rows,), -1, jnp.int32), jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.int32)
     cu = sanitize_cu(cu_q_lens, t)
     r = jnp.arange(rows, dtype=jnp.int32)
     seq = jnp.clip(_searchsorted_right(cu, r) - 1, 0, num_seqs - 1)
     pos = kv_lens[seq] - (cu[seq + 1] - cu[seq]) + r - cu[seq]
     col = _udiv(pos, page)  # a negative pos (refused below either way) reads as a large one
     pid = page_indices[seq, jnp.clip(col, 0, pps - 1)]
+    off = pos - col * page
     ok = (r < cu[-1]) & (pos >= 0) & (col < pps) & (pid >= 0) & (pid < num_pages)
-    return jnp.where(ok, pid, -1).astype(jnp.int32), pos - col * page
+    run = jnp.minimum(jnp.minimum(cu[seq + 1] - r, page - off), max_run or page)
+    run = jnp.where(ok, run, (r < cu[-1]).astype(jnp.int32))
+    return jnp.where(ok, pid, -1).astype(jnp.int32), off, run
 
 
-def _write_kernel(pid_ref, off_ref, new_k, new_v, k_in, v_in, k_out, v_out, sems, *, rows_per_step):
+def _powers_of_two(limit: int) -> list[int]:
+    """1, 2, 4, ... up to limit (static), largest first."""
+    return [1 << i for i in reversed(range(max(limit, 1).bit_length()))]
+
+
+def _write_kernel(pid_ref, off_ref, run_ref, new_k, new_v, k_in, v_in, k_out, v_out, sems, *, runs_per_step,
+                  max_run):
+    """Walks the new rows run by run (``write_slots``; at least one row past the new tokens, run 0, ends
+    the walk): a run of n rows is one DMA per power of two in n, HBM to HBM (K and V each)."""
     del k_in, v_in  # aliased: k_out/v_out are the same buffers
+    t = new_k.shape[0]
+    pairs = ((new_k, k_out, sems.at[0]), (new_v, v_out, sems.at[1]))
 
-    def copies(r):
-        p, o = jnp.maximum(pid_ref[r], 0), off_ref[r]
-        return (pltpu.make_async_copy(new_k.at[r], k_out.at[p, o], sems.at[0]),
-                pltpu.make_async_copy(new_v.at[r], v_out.at[p, o], sems.at[1]))
+    def start(r, p, o, n):  # new rows r .. r + n - 1 -> rows o .. o + n - 1 of page p
+        for b in _powers_of_two(max_run):
+            @pl.when(jnp.bitwise_and(n, b) != 0)
+            def _(b=b):
+                at = jnp.bitwise_and(n, ~(2 * b - 1))  # the rows of the larger powers come first
+                for src, dst, sem in pairs:
+                    pltpu.make_async_copy(src.at[pl.ds(r + at, b)], dst.at[p, pl.ds(o + at, b)], sem).start()
 
-    def each_row(g, act):  # rows g * rows_per_step ... of the (padded) slots; padding rows have page id -1
-        for j in range(rows_per_step):
-            r = g * rows_per_step + j
+    def wait(rows):
+        """Wait for ``rows`` rows of copies: a DMA semaphore counts what has arrived, so one wait per
+        power of two in the count, that many rows long (a wait reads only its destination's size)."""
+        for b in _powers_of_two(min(t, runs_per_step * max_run)):
+            @pl.when(jnp.bitwise_and(rows, b) != 0)
+            def _(b=b):
+                for src, _, sem in pairs:
+                    pltpu.make_async_copy(src.at[pl.ds(0, b)], src.at[pl.ds(0, b)], sem).wait()
 
-            @pl.when(pid_ref[r] >= 0)
-            def _():
-                for c in copies(r):
-                    act(c)
+    # An iteration starts the copies of runs_per_step runs (unrolled), then waits for the previous
+    # iteration's, so at most two iterations' copies are in flight.
+    def body(carry):
+        r, in_flight = carry
+        started = jnp.int32(0)
+        for _ in range(runs_per_step):
+            n, p = run_ref[r], pid_ref[r]
+            write = (n > 0) & (p >= 0)
 
-    # Rows go rows_per_step at a time (unrolled): a step starts its rows' DMAs, then waits for the
-    # previous step's, so at most two steps' DMAs are in flight.
-    def body(g, carry):
-        each_row(g, lambda c: c.start())
+            @pl.when(write)
+            def _(r=r, p=p, o=off_ref[r], n=n):
+                start(r, p, o, n)
 
-        @pl.when(g > 0)
-        def _():
-            each_row(g - 1, lambda c: c.wait())
+            started += jnp.where(write, n, 0)
+            r += n  # stays on the first row past the new tokens
+        wait(in_flight)
+        return r, started
 
-        return carry
-
-    steps = pid_ref.shape[0] // rows_per_step
-    jax.lax.fori_loop(0, steps, body, 0)
-    each_row(steps - 1, lambda c: c.wait())
+    _, in_flight = jax.lax.while_loop(lambda c: run_ref[c[0]] > 0, body, (jnp.int32(0), jnp.int32(0)))
+    wait(in_flight)
 
 
 def write_kv(
@@ -822,8 +848,8 @@ def write_kv(
 ) -> tuple[jax.Array, jax.Array]:
     """The caches with each sequence's new tokens [T, Hkv, D] written at positions
     kv_lens - q_len ... kv_lens - 1 of its pages. Outputs alias the cache inputs
-    (input_output_aliases): under jit with donated caches this is an in-place update, one
-    [Hkv, D] DMA per token, HBM to HBM. Two new tokens may not share a cache slot (refused when
+    (input_output_aliases): under jit with donated caches this is an in-place update, HBM to HBM,
+    each run of tokens bound for consecutive rows of one page copied whole (``_write_kernel``). Two new tokens may not share a cache slot (refused when
     the metadata is on the host). No new tokens or no sequences: the caches unchanged.
     A quantized cache (float8_e4m3fn or int8) takes bf16/f32 new rows and ``k_scale``/``v_scale``
     [Hkv] float32; the rows are quantized first (``quantize``: x / scale, nearest, saturated)."""
@@ -834,18 +860,26 @@ def write_kv(
         new_k, new_v = quantize(new_k, k_scale, k_pages.dtype), quantize(new_v, v_scale, v_pages.dtype)
     t = new_k.shape[0]
     num_pages, page = k_pages.shape[:2]
-    pid, off = write_slots(kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32),
-                           cu_q_lens.astype(jnp.int32), t, num_pages, page, rows=_round_up(t, WRITE_ROWS_PER_STEP))
+    # Runs of up to 16 rows (a few DMAs each) when some sequence may have several new rows; else rows
+    # one by one, so a decode batch's loop body is two DMAs a row, not the code for longer runs.
+    max_run = min(16, t, page) if t > page_indices.shape[0] else 1
+    # rows: one past the new tokens at least (the walk's end), in whole 16s: XLA fuses the metadata
+    # of a vector into one op, where at one token it computes the scalars op by op
+    slots = write_slots(kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32), cu_q_lens.astype(jnp.int32), t,
+                        num_pages, page, rows=_round_up(t + 1, 16), max_run=max_run)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
-        functools.partial(_write_kernel, rows_per_step=WRITE_ROWS_PER_STEP),
+        functools.partial(_write_kernel, runs_per_step=WRITE_RUNS_PER_STEP, max_run=max_run),
         out_shape=(jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype), jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(1,), in_specs=[any_spec] * 4, out_specs=(any_spec, any_spec),
+            num_scalar_prefetch=3, grid=(1,), in_specs=[any_spec] * 4, out_specs=(any_spec, any_spec),
             scratch_shapes=[pltpu.SemaphoreType.DMA((2,))]),
-        input_output_aliases={4: 0, 5: 1},  # operands: pid, off, new_k, new_v, k_pages, v_pages
+        input_output_aliases={5: 0, 6: 1},  # operands: pid, off, run, new_k, new_v, k_pages, v_pages
+        # Every copy is in bounds by construction (write_slots: new rows only, pages in range, off + run <= page;
+        # the strict interpreter test runs bad metadata): the compiler's checks would cost scalar bundles per DMA.
+        compiler_params=pltpu.CompilerParams(disable_bounds_checks=True),
         name="write_kv",
-    )(pid, off, new_k, new_v, k_pages, v_pages)
+    )(*slots, new_k, new_v, k_pages, v_pages)
 
 
 def reference_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens):
