@@ -87,6 +87,19 @@ def test_tiles_shared_by_many_sequences_and_all_padding_tiles(load_kernel):
     check(k, args, block_q=4)
 
 
+def test_default_tile_no_larger_than_the_batch(load_kernel):
+    # The q and output blocks move whole: a small batch gets a tile its tokens fill (up to the sublane
+    # tile), a long one about 1024 rows; the choice is checked against the kernel in the decode tests.
+    block_q = load_kernel("paged_attention").pallas._default_block_q
+    bf16, f32 = jnp.bfloat16, jnp.float32
+    assert block_q(8, bf16, 1) == 2 and block_q(8, f32, 1) == 1  # 16 / 8 rows: one sublane tile
+    assert block_q(8, bf16, 64) == 64 and block_q(8, bf16, 5000) == 128
+    assert block_q(1, bf16, 3) == 16 and block_q(5, bf16, 7) == 16 and block_q(5, bf16, 1000) == 208
+    for group, dtype, t in [(1, f32, 1), (3, bf16, 2), (7, f32, 100), (7, f32, 1000), (16, bf16, 9)]:
+        bq, sub, want = block_q(group, dtype, t), (16 if dtype == bf16 else 8), min(t, 1024 // group)
+        assert (bq * group) % sub == 0 and want <= bq < want + sub
+
+
 def test_tile_sequence_search_matches_searchsorted(load_kernel):
     # The kernel finds each tile's sequences by a branch-free binary search in cu_q_lens (scalar code).
     count = load_kernel("paged_attention").pallas._count_prefix

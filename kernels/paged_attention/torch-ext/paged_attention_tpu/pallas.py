@@ -18,10 +18,11 @@ resident output block that each of them fills in, and a decode batch is one grid
 item, only the pages its rows can see (causal end, sliding-window start) are fetched, ``block_kv``
 tokens at a time, by manual DMAs from HBM into a double-buffered VMEM scratch: chunk c+1 is in
 flight while chunk c is computed, and during an item's last chunk the next item's first (its
-page-table row fetched into SMEM beforehand), so no item waits for its first DMA. Whole pages [page, Hkv, D] are copied (one contiguous DMA each) as
-page * Hkv dense rows (token, head), and every KV head is computed from them, so GQA never repeats K/V;
-a head's keys are one strided sublane load (``_head_rows``), not a per-token shuffle. The page table stays in HBM and each
-item copies its own row into SMEM (a 256-sequence x 32k-token table does not fit in 1 MiB of SMEM).
+page-table row fetched into SMEM beforehand), so no item waits for its first DMA. Whole pages
+[page, Hkv, D] are copied (one contiguous DMA each) as page * Hkv dense rows (token, head), and every
+KV head is computed from them, so GQA never repeats K/V; a head's keys are one strided sublane load
+(``_head_rows``), not a per-token shuffle. The page table stays in HBM and each item copies its own
+row into SMEM (a 256-sequence x 32k-token table does not fit in 1 MiB of SMEM).
 Queries are regrouped by the wrapper to [Hkv, T*G, D] (G = Hq/Hkv) so each head's block is 2-D.
 
 Quantized caches (float8_e4m3fn, int8). HBM holds and the DMAs move the 1-byte values; in VMEM each
@@ -65,6 +66,10 @@ MiB = 1 << 20
 MAX_PAGES_PER_CHUNK = 512
 KV_VMEM_BUDGET = 48 * MiB  # chunks shrink (halving) until the kernel's VMEM estimate fits (TPU7x: 64 MiB)
 WRITE_RUNS_PER_STEP = 16  # write_kv: runs of new rows whose DMAs one loop iteration starts (unrolled)
+WRITE_MAX_RUN = 16  # write_kv: rows one run copies at most (one DMA per power of two in its length)
+# write_kv metadata vectors are padded to whole 16s: XLA then computes a vector in one fused op, where at
+# one token it would compute the scalars op by op.
+WRITE_METADATA_MULTIPLE = 16
 # Keys scored at once: a chunk is computed up to its last sub-block holding keys the rows see. 1024 rather
 # than 512 (cost model v2): TPU7x 64 x 8k decode 418 -> 374 us, 64 x 32k 1604 -> 1428; fp8 caches +1-2% on v5e/v6e.
 SUB_BLOCK = 1024
@@ -186,13 +191,15 @@ def quantize(x, scale, dtype):
 
 # --------------------------------------------------------------------------- work items
 
-def _default_block_q(group: int, dtype) -> int:
-    """Query tokens per tile: about 1024 rows of (token, q head in group), a multiple of the sublane tile.
-    Large tiles let prefill chunks re-read their KV less often; decode items in a tile still compute
-    only their own 128-row block (cost model: 64 x 8k decode 0.96 of roofline either way, the mixed
-    batch of costmodel_table.py 0.76 with 128-row tiles, 0.90 with 2048)."""
+def _default_block_q(group: int, dtype, tokens: int) -> int:
+    """Query tokens per tile: about 1024 rows of (token, q head in group), a multiple of the sublane tile,
+    and no more than the batch's tokens need (the q and output blocks move whole: a 1-token decode in a
+    1024-row tile would move 2 x 1 MiB of padding for Qwen3's 4 x 128 heads). Large tiles let prefill
+    chunks re-read their KV less often; decode items in a tile still compute only their own row blocks
+    (cost model: 64 x 8k decode 0.96 of roofline either way, the mixed batch of costmodel_table.py 0.76
+    with 128-row tiles, 0.90 with 2048)."""
     sub = 16 if jnp.dtype(dtype).itemsize == 2 else 8
-    bq = max(1, 1024 // group)
+    bq = max(1, min(1024 // group, tokens))
     while (bq * group) % sub:
         bq += 1
     return bq
@@ -249,6 +256,19 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
+def _powers_of_two(limit: int) -> list[int]:
+    """1, 2, 4, ... up to limit (static), largest first."""
+    return [1 << i for i in reversed(range(max(limit, 1).bit_length()))]
+
+
+def _wait_units(count, limit: int, wait):
+    """Wait for ``count`` (traced, at most ``limit``) units of copies. A DMA semaphore counts what has
+    arrived, so the waits need not match the copies one to one: ``wait(b)`` (a wait b units long: it
+    reads only its semaphore and its destination's size) once per power of two b in ``count``."""
+    for b in _powers_of_two(limit):
+        pl.when(jnp.bitwise_and(count, b) != 0)(functools.partial(wait, b))
+
+
 def _div(a, b):
     """Division of non-negative ints (truncating), in kernels: jnp's floor division lowers through
     sign(), which Mosaic cannot lower without a TPU to ask the generation of."""
@@ -256,11 +276,13 @@ def _div(a, b):
 
 
 def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
-            q_ref, table_hbm, k_hbm, v_hbm, sinks_ref, scales_ref,  # inputs
-            o_ref,  # output block [Hkv, R, D]
-            table_smem, state, kbuf, vbuf, sems, table_sems, m_ref, l_ref, acc_ref,  # scratch
-            *, pps, scale, window, softcap, block_q, group, pages_per_block, block_sizes, has_sinks, quantized,
+            q_ref, table_hbm, k_hbm, v_hbm,  # inputs, then sinks [Hq] (has_sinks) and scales [2 Hkv] (quantized)
+            *refs,  # the output block [Hkv, R, D], then scratch
+            pps, scale, window, softcap, block_q, group, pages_per_block, block_sizes, has_sinks, quantized,
             e4m3_b11):
+    sinks_ref = refs[0] if has_sinks else None
+    scales_ref = refs[has_sinks] if quantized else None
+    o_ref, table_smem, state, kbuf, vbuf, sems, table_sems, m_ref, l_ref, acc_ref = refs[has_sinks + quantized:]
     tile, num_tiles = pl.program_id(0), pl.num_programs(0)
     num_seqs = cu_ref.shape[0] - 1
     num_pages, page = k_hbm.shape[0], k_hbm.shape[1] // o_ref.shape[0]
@@ -309,18 +331,14 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
                     pltpu.make_async_copy(src.at[pid], dst.at[slot, pl.ds(j * page * hkv, page * hkv)], sem).start()
 
     def wait_pages(it_plan, c, slot):
-        """Wait for chunk c's pages. A DMA semaphore counts what has arrived, so the waits need not
-        match the copies one to one: one wait per power of two in the page count, that many pages long.
-        A wait reads only its semaphore and its destination's size: the source given is never read."""
+        """Wait for chunk c's pages (``_wait_units``, a unit a page)."""
+        def wait(b):
+            for buf, sem in ((kbuf, sems.at[0, slot]), (vbuf, sems.at[1, slot])):
+                pages = buf.at[slot, pl.ds(0, b * page * hkv)]
+                pltpu.make_async_copy(pages, pages, sem).wait()
+
         n = jnp.clip(it_plan["end_page"] - it_plan["first_page"] - c * pages_per_block, 0, pages_per_block)
-        b = 1
-        while b <= pages_per_block:
-            @pl.when(jnp.bitwise_and(n, b) != 0)
-            def _(b=b):
-                for buf, sem in ((kbuf, sems.at[0, slot]), (vbuf, sems.at[1, slot])):
-                    pages = buf.at[slot, pl.ds(0, b * page * hkv)]
-                    pltpu.make_async_copy(pages, pages, sem).wait()
-            b *= 2
+        _wait_units(n, pages_per_block, wait)
 
     # State carried from item to item (the grid runs in order, each tile's items in a loop): which
     # table_smem row holds this item's page-table row, which K/V slot its first chunk goes to, and the
@@ -607,8 +625,9 @@ def ragged_paged_attention(
 
     ``scale`` 0 = head_dim**-0.5 (the default), ``window`` 0 = none (else transformers' sliding
     window: key > query - window), ``softcap`` 0 = none, ``sinks`` [Hq] GPT-OSS sink logits,
-    ``block_q`` query tokens per tile (0 = about 1024 rows), ``block_kv`` tokens fetched per DMA
-    chunk (rounded to whole pages; at most 512 pages, fewer when the chunk would not fit VMEM). Zero sizes: no query rows -> [0, Hq, D]; no sequences, an empty
+    ``block_q`` query tokens per tile (0 = about 1024 rows, fewer when the batch has fewer tokens),
+    ``block_kv`` tokens fetched per DMA chunk (rounded to whole pages; at most 512 pages, fewer when
+    the chunk would not fit VMEM). Zero sizes: no query rows -> [0, Hq, D]; no sequences, an empty
     page table or an empty cache -> zeros (no row has a key to attend).
 
     A quantized cache (``k_pages``/``v_pages`` float8_e4m3fn or int8, written by ``write_kv``) needs
@@ -622,7 +641,7 @@ def ragged_paged_attention(
     num_pages, page, hkv, _ = k_pages.shape
     num_seqs, pps = page_indices.shape
     group = hq // hkv
-    bq = block_q or _default_block_q(group, q.dtype)
+    bq = block_q or _default_block_q(group, q.dtype, t)
     if (bq * group) % (16 if q.dtype == jnp.bfloat16 else 8):
         raise ValueError(f"block_q * (q heads / kv heads) = {bq * group} must be a multiple of "
                          f"{16 if q.dtype == jnp.bfloat16 else 8} (TPU sublane tile)")
@@ -641,9 +660,11 @@ def ragged_paged_attention(
     # [T, Hq, D] -> [Hkv, T*G, D]: row (token, g) of head h is q[token, h*G + g].
     qg = jnp.pad(q, ((0, t_pad - t), (0, 0), (0, 0))).reshape(t_pad, hkv, group, d)
     qg = qg.transpose(1, 0, 2, 3).reshape(hkv, t_pad * group, d)
-    sinks_f32 = (jnp.zeros((hq,), jnp.float32) if sinks is None else sinks.astype(jnp.float32))
+    # Sinks and scales are operands only when given: a stand-in array of zeros or ones would be an XLA
+    # broadcast op run before the kernel (0.35 us each in the cost model).
     quantized = k_scale is not None
-    scales = jnp.concatenate([k_scale, v_scale]) if quantized else jnp.ones((2 * hkv,), jnp.float32)  # SMEM
+    smem_operands = ([sinks.astype(jnp.float32)] if sinks is not None else []) + (
+        [jnp.concatenate([k_scale, v_scale]).astype(jnp.float32)] if quantized else [])
 
     kernel = functools.partial(
         _kernel, pps=pps, scale=am.resolve_scale(scale, d), window=int(window), softcap=float(softcap), block_q=bq, group=group,
@@ -658,8 +679,7 @@ def ragged_paged_attention(
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(num_tiles,),
-            in_specs=[block, any_spec, any_spec, any_spec, pl.BlockSpec(memory_space=pltpu.SMEM),
-                      pl.BlockSpec(memory_space=pltpu.SMEM)],
+            in_specs=[block, any_spec, any_spec, any_spec] + [pl.BlockSpec(memory_space=pltpu.SMEM)] * len(smem_operands),
             out_specs=block,
             scratch_shapes=[
                 pltpu.SMEM((2 * (pps_pad + _round_up(pages_per_block, 128)),), jnp.int32),  # this item's, the next's
@@ -683,7 +703,7 @@ def ragged_paged_attention(
         name="ragged_paged_attention",
     )(kv_lens.astype(jnp.int32), cu,
       qg, table, k_pages.reshape(num_pages, page * hkv, d),
-      v_pages.reshape(num_pages, page * hkv, d), sinks_f32, scales.astype(jnp.float32))
+      v_pages.reshape(num_pages, page * hkv, d), *smem_operands)
     out = out.reshape(hkv, t_pad, group, d).transpose(1, 0, 2, 3).reshape(t_pad, hq, d)
     return out[:t]
 
@@ -783,11 +803,6 @@ def write_slots(kv_lens, page_indices, cu_q_lens, t, num_pages, page, rows=None,
     return jnp.where(ok, pid, -1).astype(jnp.int32), off, run
 
 
-def _powers_of_two(limit: int) -> list[int]:
-    """1, 2, 4, ... up to limit (static), largest first."""
-    return [1 << i for i in reversed(range(max(limit, 1).bit_length()))]
-
-
 def _write_kernel(pid_ref, off_ref, run_ref, new_k, new_v, k_in, v_in, k_out, v_out, sems, *, runs_per_step,
                   max_run):
     """Walks the new rows run by run (``write_slots``; at least one row past the new tokens, run 0, ends
@@ -804,14 +819,12 @@ def _write_kernel(pid_ref, off_ref, run_ref, new_k, new_v, k_in, v_in, k_out, v_
                 for src, dst, sem in pairs:
                     pltpu.make_async_copy(src.at[pl.ds(r + at, b)], dst.at[p, pl.ds(o + at, b)], sem).start()
 
-    def wait(rows):
-        """Wait for ``rows`` rows of copies: a DMA semaphore counts what has arrived, so one wait per
-        power of two in the count, that many rows long (a wait reads only its destination's size)."""
-        for b in _powers_of_two(min(t, runs_per_step * max_run)):
-            @pl.when(jnp.bitwise_and(rows, b) != 0)
-            def _(b=b):
-                for src, _, sem in pairs:
-                    pltpu.make_async_copy(src.at[pl.ds(0, b)], src.at[pl.ds(0, b)], sem).wait()
+    def wait_rows(b):
+        for src, _, sem in pairs:
+            pltpu.make_async_copy(src.at[pl.ds(0, b)], src.at[pl.ds(0, b)], sem).wait()
+
+    def wait(rows):  # ``_wait_units``, a unit a row
+        _wait_units(rows, min(t, runs_per_step * max_run), wait_rows)
 
     # An iteration starts the copies of runs_per_step runs (unrolled), then waits for the previous
     # iteration's, so at most two iterations' copies are in flight.
@@ -849,8 +862,9 @@ def write_kv(
     """The caches with each sequence's new tokens [T, Hkv, D] written at positions
     kv_lens - q_len ... kv_lens - 1 of its pages. Outputs alias the cache inputs
     (input_output_aliases): under jit with donated caches this is an in-place update, HBM to HBM,
-    each run of tokens bound for consecutive rows of one page copied whole (``_write_kernel``). Two new tokens may not share a cache slot (refused when
-    the metadata is on the host). No new tokens or no sequences: the caches unchanged.
+    each run of tokens bound for consecutive rows of one page copied whole (``_write_kernel``). Two
+    new tokens may not share a cache slot (refused when the metadata is on the host). No new tokens
+    or no sequences: the caches unchanged.
     A quantized cache (float8_e4m3fn or int8) takes bf16/f32 new rows and ``k_scale``/``v_scale``
     [Hkv] float32; the rows are quantized first (``quantize``: x / scale, nearest, saturated)."""
     validate_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens, k_scale, v_scale)
@@ -860,13 +874,12 @@ def write_kv(
         new_k, new_v = quantize(new_k, k_scale, k_pages.dtype), quantize(new_v, v_scale, v_pages.dtype)
     t = new_k.shape[0]
     num_pages, page = k_pages.shape[:2]
-    # Runs of up to 16 rows (a few DMAs each) when some sequence may have several new rows; else rows
-    # one by one, so a decode batch's loop body is two DMAs a row, not the code for longer runs.
-    max_run = min(16, t, page) if t > page_indices.shape[0] else 1
-    # rows: one past the new tokens at least (the walk's end), in whole 16s: XLA fuses the metadata
-    # of a vector into one op, where at one token it computes the scalars op by op
+    # Runs of several rows when some sequence may have several new rows; else rows one by one, so a
+    # decode batch's loop body is two DMAs a row, not the code for longer runs.
+    max_run = min(WRITE_MAX_RUN, t, page) if t > page_indices.shape[0] else 1
+    # rows: at least one past the new tokens (the walk's end: run 0)
     slots = write_slots(kv_lens.astype(jnp.int32), page_indices.astype(jnp.int32), cu_q_lens.astype(jnp.int32), t,
-                        num_pages, page, rows=_round_up(t + 1, 16), max_run=max_run)
+                        num_pages, page, rows=_round_up(t + 1, WRITE_METADATA_MULTIPLE), max_run=max_run)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     return pl.pallas_call(
         functools.partial(_write_kernel, runs_per_step=WRITE_RUNS_PER_STEP, max_run=max_run),
