@@ -356,7 +356,7 @@ def test_mxfp4_gmm_decodes_in_the_dots_as_in_scratch(load_kernel, dtype, chip, m
         ref[r0:r0 + size] = x[r0:r0 + size] @ w[e]
         r0 += size
     # the default: in the dots for groups of up to 2 rows on average, and k/2 in whole 32-byte-row tiles
-    assert P.mxfp4_in_dots(8, g, 16, k) and not P.mxfp4_in_dots(8, g, 16, k + 32) and not P.mxfp4_in_dots(12, g, 16, k)
+    assert P.mxfp4_in_dots(8, g, k) and not P.mxfp4_in_dots(8, g, k + 32) and not P.mxfp4_in_dots(12, g, k)
     outs = []
     for in_dots in (True, False):
         with interpret(mode):

@@ -113,10 +113,9 @@ def _moe_fused_layout(x, ids, w, gate_up, down, logits, gate_up_scale=None, down
     out = (x, logits, w1s, _transpose(down, (0, 2, 1)))
     if gate_up_scale is None:
         return out
-    e, i2 = gate_up_scale.shape
-    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
-    return out + (_map(gate_up_scale, lambda a: f32(a).reshape(e, 2, 1, 1, i2 // 2), lambda s: (e, 2, 1, 1, i2 // 2)),
-                  _map(down_scale, lambda a: f32(a).reshape(e, 1, 1, -1), lambda s: (e, 1, 1, s[1])))
+    e, i2 = gate_up_scale.shape  # f32 already, as fused_moe takes them
+    return out + (_map(gate_up_scale, lambda a: a.reshape(e, 2, 1, 1, i2 // 2), lambda s: (e, 2, 1, 1, i2 // 2)),
+                  _map(down_scale, lambda a: a.reshape(e, 1, 1, -1), lambda s: (e, 1, 1, s[1])))
 
 
 def _moe_anchor(grouped_matmul_of, mask_rows=False):
@@ -185,7 +184,9 @@ def _proxy_seconds(cost, tiling, c) -> float:
     return total
 
 
-def _anchor_digest(*extra: str) -> str:
+def _anchor_digest() -> str:
+    """What the anchors' rows depend on: the anchor packages' versions, how they are called (anchors.py,
+    vllm_tpu.py) and the adapters here that lay the problems out for them."""
     from importlib import metadata
 
     h = hashlib.sha256()
@@ -194,7 +195,7 @@ def _anchor_digest(*extra: str) -> str:
             h.update(f"{name}={metadata.version(name)}\0".encode())
         except metadata.PackageNotFoundError:
             h.update(f"{name}=none\0".encode())
-    for f in ("anchors.py", "vllm_tpu.py", *extra):
+    for f in ("anchors.py", "vllm_tpu.py", "runner.py"):
         h.update((Path(__file__).parent / f).read_bytes())
     return h.hexdigest()
 

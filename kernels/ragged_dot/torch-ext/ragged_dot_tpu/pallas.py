@@ -383,12 +383,12 @@ def _mxfp4_dots(x_lo, x_hi, w_ref, s_scr, rows, n_rows: int, *, packed: bool, pi
     return jnp.concatenate(out, axis=1) if len(out) > 1 else out[0]
 
 
-def mxfp4_in_dots(m: int, groups: int, chunk: int, k: int) -> bool:
+def mxfp4_in_dots(m: int, groups: int, k: int) -> bool:
     """Whether gmm decodes MXFP4 weights inside each chunk's dots (``_mxfp4_dots``) rather than once per
     weight block into VMEM scratch: when groups average at most 2 rows (every chunk, and a group's second
     item in the next tile, decodes again) and k/2 is whole uint8 tiles (32 byte rows). The decode's vector
     work bounds both ways (a 128 x 256 byte piece: 104 bundles in the dots, 78 + 30 for the decode and the
-    dots apart, v6e); modelled GPT-OSS: at 1 token (1 row a group) v5e 176.0 -> 160.0 us, v6e 137.7 -> 130.4,
+    dots apart, v6e); modelled GPT-OSS when this was chosen (cost model v2, layer us): at 1 token (1 row a group) v5e 176.0 -> 160.0 us, v6e 137.7 -> 130.4,
     TPU7x even; at 64 tokens (8 rows) v5e even, v6e 976.0 -> 989.4, TPU7x 678.3 -> 754.1."""
     return -(-m // groups) <= 2 and (k // 2) % 32 == 0
 
@@ -540,7 +540,7 @@ def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
     if quant is None:
         out_ref = refs[-1]
     else:  # dequantize each new weight block once into VMEM scratch; the MXU sees the compute dtype
-        kind, starts, e4m3, in_dots = quant
+        kind, starts, e4m3, in_dots, packed_bf16 = quant
         channel = kind == "channel"
         # MXFP4: the weight dequantizes into even- and odd-input halves, plus its scales in f32 (in the dots:
         # the scales only)
@@ -554,7 +554,7 @@ def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
                 _mxfp4_scale_table(s_ref, deq_refs[-1], w_refs[0].shape[0])
                 return
             if mxfp4:
-                _dequantize_mxfp4(deq_refs[0], deq_refs[1], w_refs[0], s_ref, deq_refs[2], bf16_vpu=e4m3 != "f32")
+                _dequantize_mxfp4(deq_refs[0], deq_refs[1], w_refs[0], s_ref, deq_refs[2], bf16_vpu=packed_bf16)
                 return
             for w, d, (b0, off) in zip(w_refs, deq_refs, starts):
                 # tn is a block multiple when there are several n tiles (no traced floor division:
@@ -728,10 +728,11 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
                 rhs_scale, ((0, 0), (0, need_blocks - rhs_scale.shape[1]), (0, 0)))
             in_specs.append(pl.BlockSpec((None,) + scales.shape[1:], lambda j, i, off, ig, it, fg, ft: (fg[i], 0, 0)))
         if in_dots is None:
-            in_dots = mxfp4 and mxfp4_in_dots(m, g, chunk, k)
+            in_dots = mxfp4 and mxfp4_in_dots(m, g, k)
         if in_dots and not (mxfp4 and kw % 32 == 0):
             raise ValueError(f"in_dots: MXFP4 weights with k/2 a multiple of 32 only, got {rhs.dtype} and k={k}")
-        quant = ("mxfp4" if mxfp4 else "channel" if channel else "block", tuple(starts), e4m3_mode(chip), in_dots)
+        quant = ("mxfp4" if mxfp4 else "channel" if channel else "block", tuple(starts), e4m3_mode(chip), in_dots,
+                 bf16_vpu(chip))
         operands.append(scales)  # f32 (uint8 for MXFP4), validated by the experts op
         s_scr = pltpu.VMEM((_round_up(rhs_scale.shape[1], 8), wn), jnp.float32) if mxfp4 else None
         scratch = [s_scr] if in_dots else [pltpu.VMEM((kw, wn), lhs.dtype) for _ in range(2)] + [s_scr] if mxfp4 \
