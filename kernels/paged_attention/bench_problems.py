@@ -2,11 +2,13 @@
 new token's K/V into the paged cache, then attend; 1 to 256 sequences of 1k-4k tokens, pages of 16 and 128;
 and mixed batches of decode sequences and prefill chunks) beside jax's paged attention and vLLM TPU's ragged paged attention v3; and on fp8 and int8 caches."""
 
+import jax
 import jax.numpy as jnp
 
 from pallas_hub.hub.declarations import BenchImpl, chip_answered
 
-FAMILY = "decode"  # the family's cache layout [P, page, Hkv, D] is this kernel's (and transformers' paged cache)
+FAMILY = "decode"  # the family's cache layout [P, page, Hkv, D] is this kernel's (and transformers' paged cache);
+# head dims below 128 are run lane-packed (``lane_packed``)
 
 
 def implementation(kernel):
@@ -20,6 +22,19 @@ def implementation(kernel):
                                                    k_scale=k_scale, v_scale=v_scale)
         return out, k_pages, v_pages
 
+    def lane_packed(q, new_k, new_v, k_pages, v_pages, *rest, params=None):
+        """An unquantized cache of head dim below 128 is held lane-packed (``pallas.kv_heads``): the layout
+        XLA:TPU keeps row-major, so it is not copied around the kernels on every call."""
+        p, page, hkv, d = k_pages.shape
+        pack = kernel.pallas.LANES // d
+        quantized = k_pages.dtype.name not in kernel.pallas.KV_DTYPES
+        if quantized or pack == 1 or d * pack != kernel.pallas.LANES or hkv % pack:
+            return (q, new_k, new_v, k_pages, v_pages, *rest)
+        shape = (p, page, hkv // pack, kernel.pallas.LANES)
+        k_pages, v_pages = (jax.ShapeDtypeStruct(shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct)
+                            else x.reshape(shape) for x in (k_pages, v_pages))
+        return (q, new_k, new_v, k_pages, v_pages, *rest)
+
     # an fp8 cache converts per generation (``reads_e4m3_as_b11``): answer for the modelled one
-    return BenchImpl(fn, per_chip=True, context=chip_answered(kernel.pallas), donate=(3, 4),
+    return BenchImpl(fn, per_chip=True, prepare=lane_packed, context=chip_answered(kernel.pallas), donate=(3, 4),
                      formats=("bf16", "fp8", "int8"))

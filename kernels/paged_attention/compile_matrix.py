@@ -4,7 +4,8 @@ Decode (one new token per sequence) and mixed batches (a few prefill chunks amon
 256 sequences at 2k to 32k tokens of context, pages of 16 and 128 tokens, bf16 (f32 for one), and the
 KV write kernel. The cache pool holds exactly the pages the batch needs (num_seqs x context / page).
 Quantized caches (float8_e4m3fn, int8 with per-KV-head scales, bf16 queries): decode and mixed reads,
-and the quantizing write.
+and the quantizing write. GPT-OSS-20B attention (64 q / 8 kv heads of 64, sinks, a 128-token window) on
+its lane-packed cache [P, page, 4, 128]: decode, a mixed batch, the write.
 """
 
 import jax
@@ -64,6 +65,7 @@ def configs(kernel):
         fn, args = _attention(kernel, 256, 32768, 16, tokens=4 * 512 + 252, cache=cache)  # 8 GiB: fits v5e
         out.append(Config(f"mixed 256 seqs 32k {name} cache page 16, window 4096", fn, args,
                           dict(scale=D**-0.5, window=4096)))
+    out += _gpt_oss(kernel)
     s = jax.ShapeDtypeStruct
     meta = (s((64,), jnp.int32), s((64, 64), jnp.int32), s((65,), jnp.int32))
     new = s((2048, HKV, D), jnp.bfloat16)
@@ -72,4 +74,24 @@ def configs(kernel):
         scales = () if dtype == jnp.bfloat16 else (s((HKV,), jnp.float32),) * 2
         out.append(Config(f"write_kv 2048 tokens into 64 seqs x 8k {name} page 128", kernel.pallas.write_kv,
                           (cache, cache, new, new, *meta, *scales)))
+    return out
+
+
+def _gpt_oss(kernel):
+    """GPT-OSS-20B's attention on a lane-packed cache (``pallas.kv_heads``): 2 heads of 64 a 128-lane row."""
+    s = jax.ShapeDtypeStruct
+    hq, hkv, d, num_seqs, context = 64, 8, 64, 64, 8192
+    out = []
+    for kind, page, tokens in (("decode", 16, num_seqs), ("mixed", 128, 4 * 512 + num_seqs - 4)):
+        pages = num_seqs * context // page
+        cache = s((pages, page, hkv * d // 128, 128), jnp.bfloat16)
+        args = (s((tokens, hq, d), jnp.bfloat16), cache, cache, s((num_seqs,), jnp.int32),
+                s((num_seqs, context // page), jnp.int32), s((num_seqs + 1,), jnp.int32), s((hq,), jnp.bfloat16))
+        out.append(Config(f"GPT-OSS {kind} {num_seqs} seqs x 8k lane-packed bf16 page {page}, sinks, window 128",
+                          kernel.pallas.ragged_paged_attention, args, dict(scale=d**-0.5, window=128)))
+    cache = s((64 * 64, 128, hkv * d // 128, 128), jnp.bfloat16)
+    new = s((2048, hkv, d), jnp.bfloat16)
+    meta = (s((64,), jnp.int32), s((64, 64), jnp.int32), s((65,), jnp.int32))
+    out.append(Config("GPT-OSS write_kv 2048 tokens into 64 seqs x 8k lane-packed bf16 page 128", kernel.pallas.write_kv,
+                      (cache, cache, new, new, *meta)))
     return out

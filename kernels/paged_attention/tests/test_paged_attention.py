@@ -569,6 +569,104 @@ def test_write_kv_refuses_two_new_tokens_in_one_cache_slot(load_kernel):
     jax.jit(k.pallas.validate_write)(kp, kp, new, new, clash, table, cu)
 
 
+# --------------------------------------------------------------------------- lane-packed caches (head dim < 128)
+
+def lane_packed(pages):
+    """[P, page, Hkv, D] -> [P, page, Hkv * D / 128, 128]: the same bytes, 128 / D heads a row."""
+    return pages.reshape(*pages.shape[:2], -1, 128)
+
+
+def poison_unwritten_slots(pages, kv_lens, table):
+    """NaN in every slot past a sequence's last token (what an unwritten page may hold)."""
+    pages, page = np.array(pages), pages.shape[1]
+    for s, n in enumerate(np.asarray(kv_lens)):
+        if n % page:
+            pages[np.asarray(table)[s, n // page], n % page:] = np.nan
+    return jnp.asarray(pages)
+
+
+PACKED_CASES = {  # name: (q_lens, kv_lens, make_case kwargs, kernel static kwargs)
+    "decode_d64": ([1] * 9, [1, 17, 40, 16, 33, 5, 64, 2, 30], dict(hq=8, hkv=4, d=64), dict(block_q=4)),
+    # GPT-OSS's attention (64 q / 8 kv heads of 64, sinks, a 128-token sliding window) at a small scale
+    "gpt_oss_like_mixed_bf16": ([1, 37, 0, 1, 5], [300, 37, 3, 129, 90],
+                                dict(hq=16, hkv=4, d=64, dtype=jnp.bfloat16, sinks=True), dict(window=64)),
+    "d32_four_heads_a_row_softcap": ([3, 1, 20], [3, 50, 20], dict(page=32, hq=8, hkv=4, d=32),
+                                     dict(softcap=20.0, block_kv=64)),
+}
+
+
+@pytest.mark.parametrize("name", PACKED_CASES)
+def test_lane_packed_cache_matches_dense_reference(load_kernel, name):
+    """The cache as [P, page, Hkv * D / 128, 128] (what XLA:TPU keeps row-major) gives the same attention
+    as [P, page, Hkv, D], against the host reference on the unpacked cache; NaN in unwritten slots."""
+    k = load_kernel("paged_attention")
+    q_lens, kv_lens, make, static = PACKED_CASES[name]
+    q, kp, vp, lens, table, cu, sinks = make_case(q_lens, kv_lens, **make)
+    kp, vp = (poison_unwritten_slots(x, lens, table) for x in (kp, vp))
+    static.setdefault("scale", q.shape[-1] ** -0.5)
+    with interpret("fast"):
+        out = jax.jit(k.pallas.ragged_paged_attention, static_argnames=STATIC)(
+            q, lane_packed(kp), lane_packed(vp), lens, table, cu, sinks, **static)
+    out = np.asarray(out.astype(jnp.float32))
+    ref = k.pallas.reference(q, kp, vp, lens, table, cu, sinks, **{n: v for n, v in static.items()
+                                                                    if n in ("scale", "window", "softcap")})
+    assert np.isfinite(out).all() and not out[int(cu[-1]):].any()
+    tol = TOL[jnp.dtype(q.dtype).type]
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("mode", ["fast", pytest.param("strict", marks=pytest.mark.strict_interpret)])
+def test_lane_packed_write_then_attend(load_kernel, mode):
+    """write_kv and write_kv_ on a lane-packed cache write the rows [Hkv, D] of the new tokens where the
+    unpacked cache has them; attention then sees them (JAX function and torch op)."""
+    k = load_kernel("paged_attention")
+    q, kp, vp, lens, table, cu, _ = make_case([5, 1, 0, 20], [20, 3, 0, 40], hq=4, hkv=2, d=64)
+    new_k, new_v = q[:, :2], q[:, 2:] * 2 + 1
+    rk, rv = k.pallas.reference_write(kp, vp, new_k, new_v, lens, table, cu)
+    with interpret(mode):
+        ko, vo = jax.jit(k.pallas.write_kv)(lane_packed(kp), lane_packed(vp), new_k, new_v, lens, table, cu)
+    assert ko.shape == (kp.shape[0], 16, 1, 128)
+    np.testing.assert_array_equal(np.asarray(ko), lane_packed(rk))
+    np.testing.assert_array_equal(np.asarray(vo), lane_packed(rv))
+    assert not np.array_equal(rk, np.asarray(kp))  # something was written
+    kc, vc, tq, tk, tv, tlens, ttable, tcu = _torch(lane_packed(kp), lane_packed(vp), q, new_k, new_v, lens, table, cu)
+    k.write_kv_(kc, vc, tk, tv, tlens, ttable, tcu)
+    np.testing.assert_array_equal(kc.numpy(), lane_packed(rk))
+    np.testing.assert_array_equal(vc.numpy(), lane_packed(rv))
+    out = k.ragged_paged_attention(tq, kc, vc, tlens, ttable, tcu).numpy()
+    ref = k.pallas.reference(q, rk, rv, lens, table, cu)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+PACKED_BAD = {  # name: (head dim, cache shape, cache dtype, message)
+    "width neither D nor 128": (64, (4, 16, 2, 96), jnp.float32,
+                                r"head_dim of q \(64\) does not match k_pages \(4, 16, 2, 96\): the cache is "
+                                r"\[P, page, Hkv, 64\], or lane-packed \[P, page, Hkv \* 64 / 128, 128\]"),
+    "D does not divide 128": (48, (4, 16, 1, 128), jnp.float32, r"head_dim of q \(48\) does not match k_pages "
+                                                                r"\(4, 16, 1, 128\): the cache is \[P, page, Hkv, 48\]$"),
+    "quantized": (64, (4, 16, 1, 128), jnp.int8, r"a lane-packed cache \(k_pages \(4, 16, 1, 128\): 2 heads of 64 a "
+                                                 r"row\) cannot be quantized"),
+    "heads": (64, (4, 16, 3, 128), jnp.float32, r"q heads \(4\) must be a multiple of the KV heads of k_pages \(6\)"),
+}
+
+
+@pytest.mark.parametrize("name", PACKED_BAD)
+def test_lane_packed_bad_input_errors_name_the_argument(load_kernel, name):
+    k = load_kernel("paged_attention")
+    d, shape, dtype, message = PACKED_BAD[name]
+    q = jnp.ones((3, 4, d), jnp.float32)
+    cache = jnp.zeros(shape, dtype)
+    scales = dict(k_scale=jnp.ones((2,), jnp.float32), v_scale=jnp.ones((2,), jnp.float32)) if dtype == jnp.int8 else {}
+    meta = jnp.array([3], jnp.int32), jnp.array([[0]], jnp.int32), jnp.array([0, 3], jnp.int32)
+    with pytest.raises(ValueError, match=message):
+        k.pallas.ragged_paged_attention(q, cache, cache, *meta, **scales)
+    if name != "heads":  # new_k [T, Hkv, D] must be the cache's heads
+        with pytest.raises(ValueError, match=message.replace("of q", "of new_k")):
+            k.pallas.write_kv(cache, cache, q[:, :2], q[:, :2], *meta, **scales)
+    with pytest.raises(ValueError, match=message):  # the torch op checks on the host too
+        k.ragged_paged_attention(*_torch(q, cache, cache, *meta), **dict(zip(scales, _torch(*scales.values()))))
+
+
 # --------------------------------------------------------------------------- zero sizes, default scale
 
 ZERO = {  # name: (q rows, kv_lens, page_indices, cu_q_lens, num_pages); the result is zeros [T, Hq, D]

@@ -3,7 +3,8 @@
 * ``ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=0.0, window=0,
   softcap=0.0, block_q=0, block_kv=8192, k_scale=None, v_scale=None)``: torch op (scale 0.0 = head_dim**-0.5);
   see ``pallas.ragged_paged_attention`` for layouts. A float8_e4m3fn or int8 cache takes k_scale/v_scale
-  (float32 [Hkv], one per KV head).
+  (float32 [Hkv], one per KV head). A head dim below 128 may come lane-packed, [P, page, Hkv * D / 128, 128]
+  (``pallas.kv_heads``: the layout XLA:TPU does not copy around the kernel).
 * ``write_kv(..., k_scale=None, v_scale=None)`` -> (k_pages', v_pages'): functional torch op writing new
   tokens into their pages (the JAX kernel aliases the cache: in place under jit with donation; as a
   functional torch op it returns new caches); ``write_kv_`` updates the torch caches in place, writing
@@ -100,6 +101,7 @@ def write_kv_(k_cache, v_cache, new_k, new_v, kv_lens, page_indices, cu_q_lens, 
                                          k_cache.shape[1])
     write = (source >= 0)[:, None, None]
     for cache, new in ((k_cache, new_k), (v_cache, new_v)):
+        new = new.reshape(tokens, *cache.shape[2:])  # a lane-packed cache: a row per group of heads
         cache.index_put_((pid, off), torch.where(write, new.index_select(0, source.clamp(min=0)), cache[pid, off]))
 
 

@@ -4,7 +4,8 @@ Layout (transformers' PagedAttentionCache page views, so its block tables index 
   q            [T, Hq, D]          new queries of all sequences, packed; sequence s owns rows
                                    cu_q_lens[s]:cu_q_lens[s+1] (rows past cu_q_lens[-1] are padding -> 0)
   k/v_pages    [P, page, Hkv, D]   the paged cache, never copied or gathered: q's dtype (bf16 or f32), or
-                                   quantized (float8_e4m3fn or int8) with k_scale/v_scale
+                                   quantized (float8_e4m3fn or int8) with k_scale/v_scale; for D < 128
+                                   dividing 128 also lane-packed: [P, page, Hkv * D / 128, 128] (``kv_heads``)
   k/v_scale    [Hkv] float32       quantized caches only: stored value x scale[h] = the K/V value of KV head h
   kv_lens      [S] int32           tokens in sequence s's cache, the new ones included (they are its last)
   page_indices [S, pps] int32      page table; only the first cdiv(kv_lens[s], page) entries are read
@@ -60,6 +61,7 @@ CACHE_DTYPES = KV_DTYPES + QUANTIZED_DTYPES
 QUANT_MAX = {"float8_e4m3fn": 448.0, "int8": 127.0}
 INDEX_DTYPES = ("int32", "int64")
 MiB = 1 << 20
+LANES = 128  # a lane-packed cache's row width (``kv_heads``)
 # Each page of a chunk is its own DMA, issued by unrolled scalar code; every chunk is a DMA-loop
 # iteration (cost model v2, Qwen3 decode B=64 x 8k, page 16, one tile's items per grid step, layer at
 # 0.35 us per step on TPU7x: 512 pages per chunk 420.3 us, 256 447.1; v5e and v6e are DMA-bound either way).
@@ -87,7 +89,7 @@ def validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, 
     check_array("page_indices", page_indices, dtypes=INDEX_DTYPES, ndim=2)
     check_array("cu_q_lens", cu_q_lens, dtypes=INDEX_DTYPES, ndim=1)
     t, hq, d = q.shape
-    num_pages, page, hkv, dk = k_pages.shape
+    num_pages, page = k_pages.shape[:2]
     if tuple(v_pages.shape) != tuple(k_pages.shape):
         raise ValueError(f"v_pages must have the shape of k_pages {tuple(k_pages.shape)}, got {tuple(v_pages.shape)}")
     if dtype_name(k_pages) != dtype_name(v_pages):
@@ -96,14 +98,16 @@ def validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, 
         raise TypeError(f"q, k_pages and v_pages must share a dtype (or the cache be quantized: "
                         f"{' or '.join(QUANTIZED_DTYPES)}), got {dtype_name(q)}, {dtype_name(k_pages)}, "
                         f"{dtype_name(v_pages)}")
+    hkv, pack = kv_heads(k_pages, d, "q")
+    if pack > 1 and dtype_name(k_pages) in QUANTIZED_DTYPES:
+        raise ValueError(f"a lane-packed cache (k_pages {tuple(k_pages.shape)}: {pack} heads of {d} a row) cannot be "
+                         f"quantized (the scales are per KV head); store it as [P, page, Hkv, {d}]")
     validate_scales(k_pages, k_scale, v_scale)
-    if dk != d:
-        raise ValueError(f"head_dim of q ({d}) and of k_pages ({dk}) differ")
     if hkv == 0 or hq % hkv:
         raise ValueError(f"q heads ({hq}) must be a multiple of the KV heads of k_pages ({hkv})")
     if not 1 <= page <= 1024:
         raise ValueError(f"page size (k_pages.shape[1]) must be in [1, 1024], got {page}")
-    sub = 16 if dtype_name(q) == "bfloat16" else 8  # pages are merged into rows in q's dtype (the compute dtype)
+    sub = _sublanes(dtype_name(q))  # pages are merged into rows in q's dtype (the compute dtype)
     if page % sub:
         raise ValueError(f"page size (k_pages.shape[1]) must be a multiple of {sub} for {dtype_name(q)} queries "
                          f"(TPU sublane tile), got {page}")
@@ -156,6 +160,24 @@ def validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, 
                                  f"{int(-(-lens[s] // page))} entries)")
 
 
+def kv_heads(k_pages, d: int, of: str) -> tuple[int, int]:
+    """(KV heads, heads a cache row holds) of a cache for head dim ``d`` (that of ``of``).
+
+    A cache is [P, page, Hkv, D], or, for D < 128 dividing 128, lane-packed: [P, page, Hkv * D / 128, 128],
+    the same bytes (a reshape) with 128 / D heads a row. Why: XLA:TPU gives [P, page, Hkv, 64] a pages-minor
+    default layout, so a kernel reading rows has that cache copied in and out around every call (GPT-OSS
+    decode of 64 sequences on v6e: 1.66 ms of a 2.08 ms layer in the cost model); [..., 128] it keeps row-major.
+    """
+    rows, width = k_pages.shape[2], k_pages.shape[3]
+    if width == d:
+        return rows, 1
+    if width == LANES and d < LANES and LANES % d == 0:
+        return rows * (LANES // d), LANES // d
+    raise ValueError(f"head_dim of {of} ({d}) does not match k_pages {tuple(k_pages.shape)}: the cache is "
+                     f"[P, page, Hkv, {d}]" + (f", or lane-packed [P, page, Hkv * {d} / {LANES}, {LANES}]"
+                                               if d < LANES and LANES % d == 0 else ""))
+
+
 def validate_scales(k_pages, k_scale, v_scale):
     """A quantized cache needs k_scale and v_scale, float32 [Hkv] (one per KV head), positive and finite
     when their values are on the host; an unquantized cache takes none."""
@@ -198,7 +220,7 @@ def _default_block_q(group: int, dtype, tokens: int) -> int:
     chunks re-read their KV less often; decode items in a tile still compute only their own row blocks
     (cost model: 64 x 8k decode 0.96 of roofline either way, the mixed batch of costmodel_table.py 0.76
     with 128-row tiles, 0.90 with 2048)."""
-    sub = 16 if jnp.dtype(dtype).itemsize == 2 else 8
+    sub = _sublanes(dtype)
     bq = max(1, min(1024 // group, tokens))
     while (bq * group) % sub:
         bq += 1
@@ -250,6 +272,11 @@ def reads_e4m3_as_b11(chip: str | None = None) -> bool:
     (Qwen3 decode B=64 page 16 on v6e, modelled: 547.8 -> 478.9 us), and on an unknown chip (right
     everywhere); not on TPU7x, which converts e4m3fn itself (the other way measured 4.4x slower there)."""
     return (chip or current_chip()) != "tpu7x"
+
+
+def _sublanes(dtype) -> int:
+    """Rows of a TPU (sublane, 128) tile of ``dtype``: 8 32-bit rows, 16 of bf16, 32 of a 1-byte dtype."""
+    return 8 * (4 // jnp.dtype(dtype).itemsize)
 
 
 def _round_up(x: int, m: int) -> int:
@@ -588,7 +615,7 @@ def _block_sizes(rows, dtype) -> tuple[int, ...]:
     """Rows computed per step inside a tile, smallest first: one sublane tile (for decode items) and
     256 (or 128, ...) when the tile splits evenly, else the whole tile. 256 against 128 rows: prefill
     chunks of a mixed batch 459 -> 438 us on v6e (fewer, fuller MXU passes per K/V sub-block)."""
-    sub = 16 if jnp.dtype(dtype).itemsize == 2 else 8
+    sub = _sublanes(dtype)
     large = next((n for n in (256, 128, 64, 32, 16, 8) if n % sub == 0 and rows % n == 0), rows)
     return (sub, large) if large > sub and rows % sub == 0 else (large,)
 
@@ -596,7 +623,7 @@ def _block_sizes(rows, dtype) -> tuple[int, ...]:
 def vmem_estimate(rows, hkv, d, page, pages_per_block, dtype) -> int:
     """VMEM bytes of the blocks and scratch, with the (sublane, 128) tile padding the TPU applies."""
     item = jnp.dtype(dtype).itemsize
-    sub = 8 * (4 // item)
+    sub = _sublanes(dtype)
     pad = _round_up
     lanes = pad(d, 128)
     kv = 2 * 2 * pad(pages_per_block * page * hkv, sub) * lanes * item  # K and V, two slots, dense rows
@@ -632,22 +659,26 @@ def ragged_paged_attention(
 
     A quantized cache (``k_pages``/``v_pages`` float8_e4m3fn or int8, written by ``write_kv``) needs
     ``k_scale`` and ``v_scale``, float32 [Hkv]: the cache stands for k_pages * k_scale[h] (per KV head).
+    A head dim below 128 may come lane-packed (``kv_heads``), which XLA:TPU does not copy around the call.
     """
     validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks, scale, window, softcap, block_q, block_kv,
              k_scale, v_scale)
     if q.size == 0 or k_pages.size == 0 or page_indices.size == 0:
         return jnp.zeros(q.shape, q.dtype)
     t, hq, d = q.shape
-    num_pages, page, hkv, _ = k_pages.shape
+    # The kernel sees a cache row as one head of ``width`` lanes; a lane-packed row holds ``pack`` KV heads
+    # (``kv_heads``), so its q heads are pack * G (the same q-head order).
+    num_pages, page, hkv, width = k_pages.shape
+    pack = width // d
     num_seqs, pps = page_indices.shape
     group = hq // hkv
     bq = block_q or _default_block_q(group, q.dtype, t)
-    if (bq * group) % (16 if q.dtype == jnp.bfloat16 else 8):
-        raise ValueError(f"block_q * (q heads / kv heads) = {bq * group} must be a multiple of "
-                         f"{16 if q.dtype == jnp.bfloat16 else 8} (TPU sublane tile)")
+    if (bq * group) % _sublanes(q.dtype):
+        raise ValueError(f"block_q * (q heads per KV cache row) = {bq * group} must be a multiple of "
+                         f"{_sublanes(q.dtype)} (TPU sublane tile)")
     rows = bq * group
     pages_per_block = max(1, min(block_kv // page, MAX_PAGES_PER_CHUNK, pps))
-    while pages_per_block > 1 and vmem_estimate(rows, hkv, d, page, pages_per_block, k_pages.dtype) > KV_VMEM_BUDGET:
+    while pages_per_block > 1 and vmem_estimate(rows, hkv, width, page, pages_per_block, k_pages.dtype) > KV_VMEM_BUDGET:
         pages_per_block //= 2
     num_tiles = max(1, pl.cdiv(t, bq))
     # Each item copies its page-table row into SMEM: v5e's DMA takes a slice of an SMEM buffer only in
@@ -659,7 +690,11 @@ def ragged_paged_attention(
     cu = sanitize_cu(cu_q_lens, t)
     # [T, Hq, D] -> [Hkv, T*G, D]: row (token, g) of head h is q[token, h*G + g].
     qg = jnp.pad(q, ((0, t_pad - t), (0, 0), (0, 0))).reshape(t_pad, hkv, group, d)
-    qg = qg.transpose(1, 0, 2, 3).reshape(hkv, t_pad * group, d)
+    if pack > 1:  # q head (row, e, g) in the lanes of the row's e-th KV head, zeros elsewhere: q . row = q . k_e
+        qg = qg.reshape(t_pad, hkv, pack, group // pack, d)
+        qg = jnp.concatenate([jnp.pad(qg[:, :, e:e + 1], ((0, 0),) * 4 + ((e * d, width - (e + 1) * d),))
+                              for e in range(pack)], axis=2).reshape(t_pad, hkv, group, width)
+    qg = qg.transpose(1, 0, 2, 3).reshape(hkv, t_pad * group, width)
     # Sinks and scales are operands only when given: a stand-in array of zeros or ones would be an XLA
     # broadcast op run before the kernel (0.35 us each in the cost model).
     quantized = k_scale is not None
@@ -670,12 +705,12 @@ def ragged_paged_attention(
         _kernel, pps=pps, scale=am.resolve_scale(scale, d), window=int(window), softcap=float(softcap), block_q=bq, group=group,
         pages_per_block=pages_per_block, block_sizes=_block_sizes(rows, q.dtype), has_sinks=sinks is not None,
         quantized=quantized, e4m3_b11=quantized and k_pages.dtype == jnp.float8_e4m3fn and reads_e4m3_as_b11())
-    block = pl.BlockSpec((hkv, rows, d), lambda i, *_: (0, i, 0))
+    block = pl.BlockSpec((hkv, rows, width), lambda i, *_: (0, i, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    vmem = vmem_estimate(rows, hkv, d, page, pages_per_block, k_pages.dtype)
+    vmem = vmem_estimate(rows, hkv, width, page, pages_per_block, k_pages.dtype)
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((hkv, t_pad * group, d), q.dtype),
+        out_shape=jax.ShapeDtypeStruct((hkv, t_pad * group, width), q.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(num_tiles,),
@@ -684,13 +719,13 @@ def ragged_paged_attention(
             scratch_shapes=[
                 pltpu.SMEM((2 * (pps_pad + _round_up(pages_per_block, 128)),), jnp.int32),  # this item's, the next's
                 pltpu.SMEM((4,), jnp.int32),  # state carried between items (ROW, SLOT, PF_TILE, PF_SEQ)
-                pltpu.VMEM((2, pages_per_block * page * hkv, d), k_pages.dtype),
-                pltpu.VMEM((2, pages_per_block * page * hkv, d), v_pages.dtype),
+                pltpu.VMEM((2, pages_per_block * page * hkv, width), k_pages.dtype),
+                pltpu.VMEM((2, pages_per_block * page * hkv, width), v_pages.dtype),
                 pltpu.SemaphoreType.DMA((2, 2)),
                 pltpu.SemaphoreType.DMA((2,)),
                 pltpu.VMEM((hkv, rows, 1), jnp.float32),
                 pltpu.VMEM((hkv, rows, 1), jnp.float32),
-                pltpu.VMEM((hkv, rows, d), jnp.float32),
+                pltpu.VMEM((hkv, rows, width), jnp.float32),
             ],
         ),
         compiler_params=pltpu.CompilerParams(
@@ -702,8 +737,12 @@ def ragged_paged_attention(
         ),
         name="ragged_paged_attention",
     )(kv_lens.astype(jnp.int32), cu,
-      qg, table, k_pages.reshape(num_pages, page * hkv, d),
-      v_pages.reshape(num_pages, page * hkv, d), *smem_operands)
+      qg, table, k_pages.reshape(num_pages, page * hkv, width),
+      v_pages.reshape(num_pages, page * hkv, width), *smem_operands)
+    out = out.reshape(hkv, t_pad, group, width)
+    if pack > 1:  # p . row = [p . v_0 | p . v_1 | ...]: each q head keeps its own KV head's lanes
+        out = out.reshape(hkv, t_pad, pack, group // pack, width)
+        out = jnp.concatenate([out[:, :, e:e + 1, :, e * d:(e + 1) * d] for e in range(pack)], axis=2)
     out = out.reshape(hkv, t_pad, group, d).transpose(1, 0, 2, 3).reshape(t_pad, hq, d)
     return out[:t]
 
@@ -717,6 +756,7 @@ def reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None,
     host first (numpy, values x scale per KV head). Returns f32 [T, Hq, D]."""
     t, hq, d = q.shape
     page = k_pages.shape[1]
+    k_pages, v_pages = (np.asarray(x).reshape(*x.shape[:2], kv_heads(x, d, "q")[0], d) for x in (k_pages, v_pages))
     if k_scale is not None:
         k_pages = np.asarray(k_pages).astype(np.float32) * np.asarray(k_scale, np.float32)[:, None]
         v_pages = np.asarray(v_pages).astype(np.float32) * np.asarray(v_scale, np.float32)[:, None]
@@ -743,7 +783,8 @@ def validate_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_l
     check_array("new_k", new_k, dtypes=KV_DTYPES, ndim=3)
     check_array("new_v", new_v, dtypes=KV_DTYPES, ndim=3)
     check_array("k_pages", k_pages, dtypes=CACHE_DTYPES, ndim=4)
-    _, _, hkv, d = k_pages.shape
+    d = new_k.shape[2]
+    hkv, _ = kv_heads(k_pages, d, "new_k")
     if tuple(new_k.shape[1:]) != (hkv, d) or tuple(new_v.shape) != tuple(new_k.shape):
         raise ValueError(f"new_k and new_v must have shape [T, {hkv}, {d}] (the cache's heads and head_dim), "
                          f"got {tuple(new_k.shape)} and {tuple(new_v.shape)}")
@@ -873,6 +914,7 @@ def write_kv(
     if k_scale is not None:  # [T, Hkv, D], a small elementwise op before the DMAs move 1-byte rows
         new_k, new_v = quantize(new_k, k_scale, k_pages.dtype), quantize(new_v, v_scale, v_pages.dtype)
     t = new_k.shape[0]
+    new_k, new_v = (x.reshape(t, *k_pages.shape[2:]) for x in (new_k, new_v))  # lane-packed: a row per head group
     num_pages, page = k_pages.shape[:2]
     # Runs of several rows when some sequence may have several new rows; else rows one by one, so a
     # decode batch's loop body is two DMAs a row, not the code for longer runs.
@@ -904,6 +946,6 @@ def reference_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_
     for s in range(len(lens)):
         for i, r in enumerate(range(cu[s], cu[s + 1])):
             pos = lens[s] - (cu[s + 1] - cu[s]) + i
-            k[table[s, pos // page], pos % page] = np.asarray(new_k[r])
-            v[table[s, pos // page], pos % page] = np.asarray(new_v[r])
+            k[table[s, pos // page], pos % page] = np.asarray(new_k[r]).reshape(k.shape[2:])  # lane-packed too
+            v[table[s, pos // page], pos % page] = np.asarray(new_v[r]).reshape(v.shape[2:])
     return k, v
