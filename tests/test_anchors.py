@@ -34,10 +34,11 @@ def test_vllm_gmm_interpreted_matches_ragged_dot_and_picks_its_tiles():
     assert vllm_tpu.gmm_tiling(32768, 2048, 1536, 128) == (512, 2048, 1536)  # its default formula
 
 
-def test_vllm_kernels_that_cannot_run_interpreted_on_this_jax_say_so():
+@pytest.mark.parametrize("model", ["QWEN3_30B_A3B", "GPT_OSS_20B"])  # head dim 128; 64 (RPA v3's hd64 variant)
+def test_vllm_kernels_that_cannot_run_interpreted_on_this_jax_say_so(model):
     """RPA v3 and fused_moe v1 use dynamic-size DMAs that jax 0.10.2's interpreter rejects: the bench
     checks them against their own references instead (never a faked kernel check)."""
-    c = problems._decode_check(problems.QWEN3_30B_A3B, 2, 16)
+    c = problems._decode_check(getattr(problems, model), 2, 16)
     q, new_k, new_v, kp, vp, lengths, table = c.args
     with vllm_tpu.chip("v6e"), verify.interpret("fast"), pytest.raises(Exception):
         jax.jit(lambda *a: anchors.vllm_rpa_decode(*a, scale=c.kwargs["scale"]))(

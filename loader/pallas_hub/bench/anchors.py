@@ -334,33 +334,56 @@ def _rpa_batch(lengths, cu_q_lens):
     return jnp.asarray(cu, jnp.int32), jnp.array([decode, decode, b], jnp.int32)
 
 
-def vllm_rpa_decode(q, new_k, new_v, kv_cache, lengths, page_indices, *, scale, cu_q_lens=None):
-    """vLLM TPU's ragged paged attention v3 on a decode or mixed batch (``cu_q_lens``: query rows per
-    sequence): it writes the new K/V into its cache [P, page, 2 Hkv / packing, packing, D] and attends."""
+def _rpa(head_dim: int):
+    """RPA v3's module for a head dim and its entry points' names: head dim 64 has its own variant
+    (``kernel_hd64``: K and V of a head side by side in one 128-lane row), the rest the default kernel."""
     from . import vllm_tpu
 
+    if head_dim == 64:
+        return vllm_tpu.rpa_v3_hd64(), "ragged_paged_attention_hd64", "ref_ragged_paged_attention_hd64"
+    return vllm_tpu.rpa_v3(), "ragged_paged_attention", "ref_ragged_paged_attention"
+
+
+def vllm_rpa_decode(q, new_k, new_v, kv_cache, lengths, page_indices, *, scale, cu_q_lens=None):
+    """vLLM TPU's ragged paged attention v3 on a decode or mixed batch (``cu_q_lens``: query rows per
+    sequence): it writes the new K/V into its cache (``rpa_cache``) and attends."""
+    module, attend, _ = _rpa(q.shape[-1])
     cu, distribution = _rpa_batch(lengths, cu_q_lens)
-    out, cache = vllm_tpu.rpa_v3().ragged_paged_attention(q, new_k, new_v, kv_cache, lengths, page_indices.reshape(-1),
-                                                          cu, distribution, sm_scale=scale)
+    out, cache = getattr(module, attend)(q, new_k, new_v, kv_cache, lengths, page_indices.reshape(-1), cu,
+                                         distribution, sm_scale=scale)
     return out, cache
 
 
 def vllm_rpa_reference(q, new_k, new_v, kv_cache, lengths, page_indices, *, scale, cu_q_lens=None):
     """RPA v3's own plain-JAX reference (``ref_ragged_paged_attention``) on the same inputs."""
-    from . import vllm_tpu
-
+    module, _, reference = _rpa(q.shape[-1])
     cu, distribution = _rpa_batch(lengths, cu_q_lens)
-    out = vllm_tpu.rpa_v3().ref_ragged_paged_attention(
-        q, new_k, new_v, kv_cache, lengths, page_indices.reshape(-1), cu, distribution, sm_scale=scale)
+    out = getattr(module, reference)(q, new_k, new_v, kv_cache, lengths, page_indices.reshape(-1), cu, distribution,
+                                     sm_scale=scale)
     return out[0] if isinstance(out, tuple) else out
 
 
 def rpa_cache(k_pages, v_pages):
-    """[P, page, Hkv, D] K and V pages in RPA v3's layout: K/V interleaved per head, packed pairs."""
+    """[P, page, Hkv, D] K and V pages in RPA v3's layout (``rpa_cache_shape``): K/V interleaved per
+    head, packed pairs; head dim 64 (``kernel_hd64``): [K_h | V_h] in one 128-lane row, heads padded
+    to whole packs."""
     p, page, hkv, d = k_pages.shape
-    both = jnp.stack([k_pages, v_pages], axis=3).reshape(p, page, 2 * hkv, d)  # k0 v0 k1 v1 ...
-    packing = 4 // jnp.dtype(k_pages.dtype).itemsize
-    return both.reshape(p, page, 2 * hkv // packing, packing, d)
+    shape = rpa_cache_shape(k_pages.shape, k_pages.dtype)
+    if d == 64:
+        both = jnp.concatenate([k_pages, v_pages], axis=-1)
+        both = jnp.pad(both, ((0, 0), (0, 0), (0, shape[2] * shape[3] - hkv), (0, 0)))
+    else:
+        both = jnp.stack([k_pages, v_pages], axis=3)  # k0 v0 k1 v1 ...
+    return both.reshape(shape)
+
+
+def rpa_cache_shape(kv_shape, dtype) -> tuple[int, ...]:
+    """The shape of RPA v3's cache for K and V pages of shape [P, page, Hkv, D]."""
+    p, page, hkv, d = kv_shape
+    packing = 4 // jnp.dtype(dtype).itemsize
+    if d == 64:
+        return p, page, ceil_to(hkv, packing) // packing, packing, 128
+    return p, page, 2 * hkv // packing, packing, d
 
 
 def ceil_to(x: int, m: int) -> int:

@@ -277,8 +277,7 @@ def _jax_paged_layout(q, new_k, new_v, k_pages, v_pages, lengths, table, params=
 
 def _rpa_layout(q, new_k, new_v, k_pages, v_pages, lengths, table, params=None):
     if isinstance(k_pages, jax.ShapeDtypeStruct):
-        p, page, hkv, d = k_pages.shape
-        cache = jax.ShapeDtypeStruct((p, page, 2 * hkv // 2, 2, d), k_pages.dtype)
+        cache = jax.ShapeDtypeStruct(anchors.rpa_cache_shape(k_pages.shape, k_pages.dtype), k_pages.dtype)
     else:
         cache = anchors.rpa_cache(k_pages, v_pages)
     return q, new_k, new_v, cache, lengths, table

@@ -7,7 +7,8 @@ installed by the Makefile) and this module is the only place that works around w
 
 * ``install()`` registers an empty ``tpu_inference`` package whose path is the installed one (its
   ``__init__`` never runs) and stand-ins for the two modules: a logger with ``warning_once`` and
-  the five helpers the kernels import from ``utils``, which answer for the chip set by ``chip()``.
+  the five helpers the kernels import from ``utils``, which answer for the chip set by ``chip()``;
+  and ``pltpu.reciprocal``, which this jax spells ``pl.reciprocal`` (the same primitive).
 * ``chip(name)`` answers the kernels' trace-time questions about "the current TPU" for a chip we
   compile for from this CPU host: ``pltpu.get_tpu_info()`` (VMEM size; jax asks the default
   backend, which is the CPU here), ragged paged attention v3's ``get_tpu_version`` (which reads
@@ -101,6 +102,11 @@ def install() -> None:
     sys.modules["tpu_inference.logger"] = log
     sys.modules["tpu_inference.utils"] = utils
     pkg.logger, pkg.utils = log, utils
+    from jax.experimental import pallas as pl
+    from jax.experimental.pallas import tpu as pltpu
+
+    if not hasattr(pltpu, "reciprocal"):  # RPA v3 hd64 calls pltpu.reciprocal: our jax has it as pl.reciprocal
+        pltpu.reciprocal = pl.reciprocal  # (the same primitive and Mosaic lowering, tpu.reciprocal)
 
 
 @contextlib.contextmanager
@@ -110,10 +116,11 @@ def chip(name: str):
 
     install()
     from tpu_inference.kernels.ragged_paged_attention.v3 import kernel as rpa_kernel
+    from tpu_inference.kernels.ragged_paged_attention.v3 import tuned_block_sizes_hd64 as rpa_hd64_sizes
     from tpu_inference.kernels.ragged_paged_attention.v3 import util as rpa_util
 
     _current.append(name)
-    saved = [(m, m.get_tpu_version) for m in (rpa_util, rpa_kernel)]
+    saved = [(m, m.get_tpu_version) for m in (rpa_util, rpa_kernel, rpa_hd64_sizes)]
     for m, _ in saved:
         m.get_tpu_version = lambda: TPU_VERSION[_chip_now()]
     try:
@@ -136,6 +143,15 @@ def rpa_v3():
     from tpu_inference.kernels.ragged_paged_attention.v3 import kernel
 
     return kernel
+
+
+def rpa_v3_hd64():
+    """ragged_paged_attention v3's head-dim-64 variant (GPT-OSS): ``ragged_paged_attention_hd64``, the
+    arguments of ``rpa_v3``'s, kv_cache [P, page, Hkv / packing, packing, 128] holding [K_h | V_h] per head."""
+    install()
+    from tpu_inference.kernels.ragged_paged_attention.v3 import kernel_hd64
+
+    return kernel_hd64
 
 
 def fused_moe_v1():
