@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -388,8 +389,9 @@ def mxfp4_in_dots(m: int, groups: int, k: int) -> bool:
     weight block into VMEM scratch: when groups average at most 2 rows (every chunk, and a group's second
     item in the next tile, decodes again) and k/2 is whole uint8 tiles (32 byte rows). The decode's vector
     work bounds both ways (a 128 x 256 byte piece: 104 bundles in the dots, 78 + 30 for the decode and the
-    dots apart, v6e); modelled GPT-OSS when this was chosen (cost model v2, layer us): at 1 token (1 row a group) v5e 176.0 -> 160.0 us, v6e 137.7 -> 130.4,
-    TPU7x even; at 64 tokens (8 rows) v5e even, v6e 976.0 -> 989.4, TPU7x 678.3 -> 754.1."""
+    dots apart, v6e); modelled GPT-OSS when this was chosen (cost model v2, layer us): at 1 token (1 row a
+    group) v5e 176.0 -> 160.0 us, v6e 137.7 -> 130.4, TPU7x even; at 64 tokens (8 rows) v5e even, v6e
+    976.0 -> 989.4, TPU7x 678.3 -> 754.1."""
     return -(-m // groups) <= 2 and (k // 2) % 32 == 0
 
 
@@ -514,6 +516,24 @@ def _new_weights(fetch_group, i):
 
 # --------------------------------------------------------------------------- gmm kernel
 
+class GmmQuant(NamedTuple):
+    """How the gmm kernel dequantizes its weights (static: part of the kernel's partial)."""
+
+    kind: str  # "block" (fp8/int8 with 128x128 scale blocks), "channel" (int8 per column), "mxfp4"
+    starts: tuple  # (first scale block row, row offset) of each weight (gate, up) in its scale grid
+    e4m3: str  # how the chip converts e4m3fn (``e4m3_mode``)
+    in_dots: bool  # MXFP4: decode the weights inside the dots (``mxfp4_in_dots``)
+    bf16_vpu: bool  # the chip does bf16 VPU math (``bf16_vpu``): MXFP4 values decoded in packed bf16
+
+
+class MoeQuant(NamedTuple):
+    """How the fused experts kernel dequantizes its weights (static)."""
+
+    channel: bool  # int8 per output column (else fp8/int8 with 128x128 scale blocks)
+    up_start: tuple  # (first scale block row, row offset) of the up half in gate_up's scale grid
+    e4m3: str  # how the chip converts e4m3fn (``e4m3_mode``)
+    in_dots: bool  # dequantize inside the dots (``dequantize_in_dots``), not into VMEM scratch once per group
+
 def _deinterleave(y):
     """(tm, 2t) f32 with gate/up in even/odd lanes -> two (tm, t). Mosaic has no lane-strided loads,
     so transpose (lanes become sublanes), split sublane pairs, transpose back (XLU work only). The
@@ -528,7 +548,7 @@ def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
                 tm, tn, chunk, num_groups, transposed, activation, interleaved, alpha, limit, has_bias, quant):
     del fetch_tile  # index maps only
     n_w = 2 if activation != "none" and not interleaved else 1
-    mxfp4 = quant is not None and quant[0] == "mxfp4"
+    mxfp4 = quant is not None and quant.kind == "mxfp4"
     n_x = 2 if mxfp4 else 1  # MXFP4: the lhs's even and odd columns, for the weights' two nibbles
     lhs_refs, w_refs = refs[:n_x], refs[n_x:n_x + n_w]
     refs = refs[n_x - 1:]  # as if there were one lhs
@@ -731,8 +751,8 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
             in_dots = mxfp4 and mxfp4_in_dots(m, g, k)
         if in_dots and not (mxfp4 and kw % 32 == 0):
             raise ValueError(f"in_dots: MXFP4 weights with k/2 a multiple of 32 only, got {rhs.dtype} and k={k}")
-        quant = ("mxfp4" if mxfp4 else "channel" if channel else "block", tuple(starts), e4m3_mode(chip), in_dots,
-                 bf16_vpu(chip))
+        quant = GmmQuant("mxfp4" if mxfp4 else "channel" if channel else "block", tuple(starts), e4m3_mode(chip),
+                         in_dots, bf16_vpu(chip))
         operands.append(scales)  # f32 (uint8 for MXFP4), validated by the experts op
         s_scr = pltpu.VMEM((_round_up(rhs_scale.shape[1], 8), wn), jnp.float32) if mxfp4 else None
         scratch = [s_scr] if in_dots else [pltpu.VMEM((kw, wn), lhs.dtype) for _ in range(2)] + [s_scr] if mxfp4 \
@@ -741,7 +761,7 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
     inb, outb = lhs.dtype.itemsize, out_dtype.itemsize
     if vmem_limit_bytes is None:
         need = gmm_vmem_bytes(tm, tn, k, inb, outb, 2 if gated else 1, quantized=quant is not None, chunk=chunk) + (
-            4 * tm * wn * 4 if interleaved else 0) + (2 * operands[-1].size * 4 if quant and quant[0] == "channel" else 0)
+            4 * tm * wn * 4 if interleaved else 0) + (2 * operands[-1].size * 4 if quant and quant.kind == "channel" else 0)
         vmem_limit_bytes = int(min(max(need * 1.25 + 4 * MiB, 32 * MiB), _chip(chip).vmem_bytes * 0.9))
     kernel = functools.partial(_gmm_kernel, tm=tm, tn=tn, chunk=chunk, num_groups=g, transposed=transposed, activation=activation,
                                interleaved=interleaved, alpha=float(alpha), limit=float(limit),
@@ -1087,16 +1107,16 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
         if in_dots is None:
             in_dots = dequantize_in_dots(m, g, chunk, gate_up.dtype, chip)
         if channel:  # [g, 2I] and [g, H] whole in VMEM, the group's row read per item
-            quant = (True, (0, 0), "f32", in_dots)
+            quant = MoeQuant(True, (0, 0), "f32", in_dots)
             in_specs += [pl.BlockSpec(a.shape, imap(lambda it, fg, ft: (0, 0))) for a in (gate_up_scale, down_scale)]
         else:  # the group's whole 128x128 block grids
-            quant = (False, gate_up_scale_rows(gate_up_scale.shape[1], i, FP8_BLOCK), e4m3_mode(chip), in_dots)
+            quant = MoeQuant(False, gate_up_scale_rows(gate_up_scale.shape[1], i, FP8_BLOCK), e4m3_mode(chip), in_dots)
             in_specs += [pl.BlockSpec((None,) + a.shape[1:], imap(lambda it, fg, ft: (fg[it], 0, 0)))
                          for a in (gate_up_scale, down_scale)]
         operands += [gate_up_scale, down_scale]  # f32 (validated by the experts op)
         scratch = [] if in_dots else [pltpu.VMEM((i, h), x.dtype), pltpu.VMEM((i, h), x.dtype), pltpu.VMEM((h, i), x.dtype)]
     need = moe_vmem_bytes(tm, chunk, h, i, x.dtype.itemsize, out_dtype.itemsize, gate_up.dtype.itemsize) + (
-        2 * 4 * (gate_up_scale.size + down_scale.size) if quant and quant[0] else 0)
+        2 * 4 * (gate_up_scale.size + down_scale.size) if quant and quant.channel else 0)
     kernel = functools.partial(_moe_kernel, tm=tm, chunk=chunk, num_groups=g, transposed=transposed,
                                down_transposed=down_transposed,
                                activation=activation, interleaved=interleaved, alpha=float(alpha),
