@@ -334,7 +334,9 @@ def quantize_kv(x, scale, dtype):
 
 
 def _decode_check(m: Model, batch: int, page: int, fmt: str = "bf16") -> Check:
-    hq, hkv, d = m.q_heads // m.kv_heads, 1, m.head_dim
+    # the model's group on one KV head, or two below head dim 128 (a lane-packed cache holds two a row)
+    hkv, d = (2 if m.head_dim < 128 else 1), m.head_dim
+    hq = m.q_heads // m.kv_heads * hkv
     lengths = np.array([37, 200, 129, 16][:batch], np.int32)
     table, total = paged_table(lengths, page, seed=3, multiple=max(1, 128 // page))
     rng = np.random.default_rng(4)
