@@ -24,7 +24,9 @@ _PACK_PAGE = 16  # page size used to re-pack gathered K/V
 
 
 def _pack_gathered(key, cu_k):
-    """Gathered K [Hkv, Tk, D] of S requests (boundaries cu_k [S+1]) -> (pages [P, page, Hkv, D], table [S, n]).
+    """Gathered K [Hkv, Tk, D] of S requests (boundaries cu_k [S+1]) -> (pages [P, page, Hkv, D], table [S, n]);
+    for D below 128 the pages come lane-packed, [P, page, Hkv * D / 128, 128] (``pallas.kv_heads``: the
+    layout XLA:TPU keeps row-major, so these per-call pages are not relaid out around the kernel).
 
     Every size follows from the shapes alone: each request starts a new page, so it wastes less than
     one, and n = cdiv(Tk, page) columns and P = n + S + 1 pages always suffice (the last one takes the
@@ -44,7 +46,11 @@ def _pack_gathered(key, cu_k):
     pages = key.new_zeros(total * _PACK_PAGE, hkv, d)
     pages[dest] = key.transpose(0, 1)
     table = (first[:, None] + torch.arange(width, device=key.device)[None, :]).clamp(max=total - 1)
-    return pages.view(total, _PACK_PAGE, hkv, d), table.to(torch.int32)
+    from .pallas import LANES as lanes
+
+    packed = d < lanes and lanes % d == 0 and (hkv * d) % lanes == 0
+    shape = (total, _PACK_PAGE, hkv * d // lanes, lanes) if packed else (total, _PACK_PAGE, hkv, d)
+    return pages.view(shape), table.to(torch.int32)
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
