@@ -25,12 +25,9 @@ def implementation(kernel):
     def lane_packed(q, new_k, new_v, k_pages, v_pages, *rest, params=None):
         """An unquantized cache of head dim below 128 is held lane-packed (``pallas.kv_heads``): the layout
         XLA:TPU keeps row-major, so it is not copied around the kernels on every call."""
-        p, page, hkv, d = k_pages.shape
-        pack = kernel.pallas.LANES // d
-        quantized = k_pages.dtype.name not in kernel.pallas.KV_DTYPES
-        if quantized or pack == 1 or d * pack != kernel.pallas.LANES or hkv % pack:
+        shape = kernel.pallas.lane_packed_shape(k_pages)
+        if shape is None:
             return (q, new_k, new_v, k_pages, v_pages, *rest)
-        shape = (p, page, hkv // pack, kernel.pallas.LANES)
         k_pages, v_pages = (jax.ShapeDtypeStruct(shape, x.dtype) if isinstance(x, jax.ShapeDtypeStruct)
                             else x.reshape(shape) for x in (k_pages, v_pages))
         return (q, new_k, new_v, k_pages, v_pages, *rest)

@@ -638,6 +638,19 @@ def test_lane_packed_write_then_attend(load_kernel, mode):
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_lane_packed_shape_says_which_caches_have_one(load_kernel):
+    """The one rule the CB path and the bench use to build a lane-packed cache: D below 128 dividing it,
+    whole rows of heads, not quantized; for a torch tensor, a jax array and a ShapeDtypeStruct alike."""
+    shape_of = load_kernel("paged_attention").pallas.lane_packed_shape
+    assert shape_of(jax.ShapeDtypeStruct((7, 16, 8, 64), jnp.bfloat16)) == (7, 16, 4, 128)
+    assert shape_of(torch.zeros(3, 32, 4, 32)) == (3, 32, 1, 128)
+    for shape, dtype in [((7, 16, 8, 128), jnp.bfloat16), ((7, 16, 8, 256), jnp.bfloat16),
+                         ((7, 16, 1, 64), jnp.bfloat16), ((7, 16, 3, 32), jnp.float32),
+                         ((7, 16, 8, 48), jnp.float32), ((7, 16, 8, 64), jnp.int8),
+                         ((7, 16, 8, 64), jnp.float8_e4m3fn)]:
+        assert shape_of(jax.ShapeDtypeStruct(shape, dtype)) is None, (shape, dtype)
+
+
 PACKED_BAD = {  # name: (head dim, cache shape, cache dtype, message)
     "width neither D nor 128": (64, (4, 16, 2, 96), jnp.float32,
                                 r"head_dim of q \(64\) does not match k_pages \(4, 16, 2, 96\): the cache is "

@@ -4,7 +4,8 @@
   softcap=0.0, block_q=0, block_kv=8192, k_scale=None, v_scale=None)``: torch op (scale 0.0 = head_dim**-0.5);
   see ``pallas.ragged_paged_attention`` for layouts. A float8_e4m3fn or int8 cache takes k_scale/v_scale
   (float32 [Hkv], one per KV head). A head dim below 128 may come lane-packed, [P, page, Hkv * D / 128, 128]
-  (``pallas.kv_heads``: the layout XLA:TPU does not copy around the kernel).
+  (``pallas.kv_heads``: the layout XLA:TPU does not copy around the kernel; ``pallas.lane_packed_shape(cache)``
+  gives it, or None).
 * ``write_kv(..., k_scale=None, v_scale=None)`` -> (k_pages', v_pages'): functional torch op writing new
   tokens into their pages (the JAX kernel aliases the cache: in place under jit with donation; as a
   functional torch op it returns new caches); ``write_kv_`` updates the torch caches in place, writing

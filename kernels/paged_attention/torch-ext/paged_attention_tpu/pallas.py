@@ -178,6 +178,17 @@ def kv_heads(k_pages, d: int, of: str) -> tuple[int, int]:
                                                if d < LANES and LANES % d == 0 else ""))
 
 
+def lane_packed_shape(cache) -> tuple[int, int, int, int] | None:
+    """The lane-packed shape [P, page, Hkv * D / 128, 128] (``kv_heads``) of a cache [P, page, Hkv, D] (anything
+    with .shape and .dtype: a torch tensor, a jax array, a ShapeDtypeStruct), or None when it has none: D of
+    128 or more or not dividing 128, Hkv not a multiple of 128 / D, or a quantized cache (scales are per KV head).
+    """
+    p, page, hkv, d = cache.shape
+    if d >= LANES or LANES % d or (hkv * d) % LANES or dtype_name(cache) in QUANTIZED_DTYPES:
+        return None
+    return p, page, hkv * d // LANES, LANES
+
+
 def validate_scales(k_pages, k_scale, v_scale):
     """A quantized cache needs k_scale and v_scale, float32 [Hkv] (one per KV head), positive and finite
     when their values are on the host; an unquantized cache takes none."""

@@ -19,6 +19,8 @@ from unittest import mock
 
 import torch
 
+from .pallas import lane_packed_shape
+
 CB_NAME = "paged_flash_tpu"  # CB accepts only built-in names or names containing "flash" (no 2/3 in it)
 _PACK_PAGE = 16  # page size used to re-pack gathered K/V
 
@@ -46,11 +48,8 @@ def _pack_gathered(key, cu_k):
     pages = key.new_zeros(total * _PACK_PAGE, hkv, d)
     pages[dest] = key.transpose(0, 1)
     table = (first[:, None] + torch.arange(width, device=key.device)[None, :]).clamp(max=total - 1)
-    from .pallas import LANES as lanes
-
-    packed = d < lanes and lanes % d == 0 and (hkv * d) % lanes == 0
-    shape = (total, _PACK_PAGE, hkv * d // lanes, lanes) if packed else (total, _PACK_PAGE, hkv, d)
-    return pages.view(shape), table.to(torch.int32)
+    pages = pages.view(total, _PACK_PAGE, hkv, d)
+    return pages.view(lane_packed_shape(pages) or pages.shape), table.to(torch.int32)
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
