@@ -80,6 +80,17 @@ def test_matches_dense_reference(load_kernel, name):
     check(load_kernel("paged_attention"), make_case(q_lens, kv_lens, **make), **static)
 
 
+@pytest.mark.parametrize("hkv", [1, 4])
+@pytest.mark.parametrize("lag", [(0, 1), (1, 1), (1, 2), (2, 1)])
+def test_every_head_pipeline_gives_the_reference(load_kernel, monkeypatch, lag, hkv):
+    """The KV heads' software pipeline (``PIPELINE_LAG``, chosen per chip) only reorders the work: every
+    lag, with fewer or more heads than its depth, gives the reference on a mixed bf16 batch (sinks, window)."""
+    k = load_kernel("paged_attention")
+    monkeypatch.setitem(k.pallas.PIPELINE_LAG, None, lag)
+    check(k, make_case([1, 30, 1, 7], [70, 40, 129, 7], dtype=jnp.bfloat16, hq=2 * hkv, hkv=hkv, sinks=True),
+          window=24, block_q=16)
+
+
 def test_tiles_shared_by_many_sequences_and_all_padding_tiles(load_kernel):
     # 8 decode sequences per tile, an empty sequence in the middle, and tiles with no sequence at all.
     k = load_kernel("paged_attention")

@@ -52,6 +52,14 @@ def scores(q, k, *, scale: float, softcap: float | None):
 def online_softmax_step(m, l, acc, s, ok, v):
     """Fold one block of logits ``s`` [q, k] (``ok`` masks it; None: every pair may attend) and values
     ``v`` [k, d] into the running max ``m`` [q, 1], denominator ``l`` [q, 1] and f32 accumulator ``acc`` [q, d]."""
+    m_new, l_new, alpha, p = softmax_weights(m, l, s, ok)
+    return m_new, l_new, accumulate(acc, alpha, p, v)
+
+
+def softmax_weights(m, l, s, ok):
+    """The first half of ``online_softmax_step``: (m_new, l_new, alpha = exp(m - m_new), p [q, k] f32), the
+    weights ``accumulate`` folds into acc. Split so a kernel can start the next head's scores before this
+    head's P @ V (the MXU works on one while the vector units work on the other)."""
     if ok is not None:
         s = jnp.where(ok, s, MASK_VALUE)
     m_new = jnp.maximum(m, s.max(axis=-1, keepdims=True))
@@ -59,9 +67,13 @@ def online_softmax_step(m, l, acc, s, ok, v):
     if ok is not None:  # a row with nothing allowed yet has m_new = MASK_VALUE: exp(0) must not count
         p = jnp.where(ok, p, 0.0)
     alpha = jnp.exp(m - m_new)
-    l_new = alpha * l + p.sum(axis=-1, keepdims=True)
+    return m_new, alpha * l + p.sum(axis=-1, keepdims=True), alpha, p
+
+
+def accumulate(acc, alpha, p, v):
+    """The second half of ``online_softmax_step``: alpha * acc + p @ v (p rounded to v's dtype for the MXU)."""
     pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-    return m_new, l_new, alpha * acc + pv
+    return alpha * acc + pv
 
 
 LOG2E = math.log2(math.e)

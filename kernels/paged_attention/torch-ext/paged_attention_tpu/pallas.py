@@ -75,6 +75,12 @@ WRITE_METADATA_MULTIPLE = 16
 # Keys scored at once: a chunk is computed up to its last sub-block holding keys the rows see. 1024 rather
 # than 512 (cost model v2): TPU7x 64 x 8k decode 418 -> 374 us, 64 x 32k 1604 -> 1428; fp8 caches +1-2% on v5e/v6e.
 SUB_BLOCK = 1024
+# The KV heads' software pipeline in a sub-block (``sub_block``), per chip: how many heads after its scores a
+# head's softmax is issued, and how many after that its P @ V. Chosen with the cost model v2 (Qwen3 layer us,
+# mixed 60 decode + 4 x 128 prefill page 128 on v5e / v6e / TPU7x; decode 64 x 2k page 16 on TPU7x): in
+# program order (no pipeline) 724.4 / 413.6 / 297.1; 194.6; (0, 1), RPA v3's, 700.3 / 406.6 / 294.1; 191.6;
+# (1, 1) 717.4 / 393.2 / 275.7; 185.9; (1, 2) 722.6 / 397.2 / 275.3; 182.5. v5e decode is DMA-bound either way.
+PIPELINE_LAG = {"v5e": (0, 1), "v6e": (1, 1), "tpu7x": (1, 2), None: (1, 1)}
 
 
 # --------------------------------------------------------------------------- validation
@@ -317,7 +323,7 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
             q_ref, table_hbm, k_hbm, v_hbm,  # inputs, then sinks [Hq] (has_sinks) and scales [2 Hkv] (quantized)
             *refs,  # the output block [Hkv, R, D], then scratch
             pps, scale, window, softcap, block_q, group, pages_per_block, block_sizes, has_sinks, quantized,
-            e4m3_b11):
+            e4m3_b11, lag):
     sinks_ref = refs[0] if has_sinks else None
     scales_ref = refs[has_sinks] if quantized else None
     o_ref, table_smem, state, kbuf, vbuf, sems, table_sems, m_ref, l_ref, acc_ref = refs[has_sinks + quantized:]
@@ -515,17 +521,27 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
                         # Slots past the end hold what the page held there, or were not fetched: zero them
                         # so that 0 * garbage cannot give NaN.
                         v_ok = chunk_start + start + _token_order(hkv, itemsize, sub, (sub, 1), 0) < kv_end
-                    for h in range(hkv):
-                        k, v = (_head_rows(buf, slot, h, hkv, start, sub, e4m3_b11) for buf in (kbuf, vbuf))
-                        if quantized:  # dequantize in VMEM: exact in q's dtype, k_scale joins the score scale
-                            k, v = _values(k, q_ref.dtype), _values(v, q_ref.dtype)
-                        if masked:
-                            v = jnp.where(v_ok, v, 0)
-                        k_scale = scale * scales_ref[h] if quantized else scale
-                        sc = am.scores(q_ref[h, rs, :], k, scale=k_scale, softcap=softcap or None)
-                        m, l, acc = am.online_softmax_step(m_ref[h, rs, :], l_ref[h, rs, :], acc_ref[h, rs, :],
-                                                           sc, ok, v)
-                        m_ref[h, rs, :], l_ref[h, rs, :], acc_ref[h, rs, :] = m, l, acc
+                    # The heads run as a software pipeline (``PIPELINE_LAG``): head h's scores, head h - lag[0]'s
+                    # softmax and head h - lag[0] - lag[1]'s P @ V are issued together, so the MXU and the vector
+                    # units each have another head's work at hand (vLLM TPU's RPA v3 does lag (0, 1)).
+                    scores, weights = {}, {}
+                    for i in range(hkv + sum(lag)):
+                        if i < hkv:
+                            h = i
+                            k, v = (_head_rows(buf, slot, h, hkv, start, sub, e4m3_b11) for buf in (kbuf, vbuf))
+                            if quantized:  # dequantize in VMEM: exact in q's dtype, k_scale joins the score scale
+                                k, v = _values(k, q_ref.dtype), _values(v, q_ref.dtype)
+                            if masked:
+                                v = jnp.where(v_ok, v, 0)
+                            k_scale = scale * scales_ref[h] if quantized else scale
+                            scores[h] = am.scores(q_ref[h, rs, :], k, scale=k_scale, softcap=softcap or None), v
+                        if 0 <= (h := i - lag[0]) < hkv:
+                            sc, v = scores.pop(h)
+                            m, l, alpha, p = am.softmax_weights(m_ref[h, rs, :], l_ref[h, rs, :], sc, ok)
+                            m_ref[h, rs, :], l_ref[h, rs, :] = m, l
+                            weights[h] = alpha, p, v
+                        if 0 <= (h := i - sum(lag)) < hkv:
+                            acc_ref[h, rs, :] = am.accumulate(acc_ref[h, rs, :], *weights.pop(h))
                     return carry
 
                 carry = jax.lax.fori_loop(0, clear, functools.partial(sub_block, False), carry)
@@ -715,7 +731,8 @@ def ragged_paged_attention(
     kernel = functools.partial(
         _kernel, pps=pps, scale=am.resolve_scale(scale, d), window=int(window), softcap=float(softcap), block_q=bq, group=group,
         pages_per_block=pages_per_block, block_sizes=_block_sizes(rows, q.dtype), has_sinks=sinks is not None,
-        quantized=quantized, e4m3_b11=quantized and k_pages.dtype == jnp.float8_e4m3fn and reads_e4m3_as_b11())
+        quantized=quantized, e4m3_b11=quantized and k_pages.dtype == jnp.float8_e4m3fn and reads_e4m3_as_b11(),
+        lag=PIPELINE_LAG.get(current_chip(), PIPELINE_LAG[None]))
     block = pl.BlockSpec((hkv, rows, width), lambda i, *_: (0, i, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     vmem = vmem_estimate(rows, hkv, width, page, pages_per_block, k_pages.dtype)
