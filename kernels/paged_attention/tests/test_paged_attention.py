@@ -658,7 +658,7 @@ def test_lane_packed_shape_says_which_caches_have_one(load_kernel):
     for shape, dtype in [((7, 16, 8, 128), jnp.bfloat16), ((7, 16, 8, 256), jnp.bfloat16),
                          ((7, 16, 1, 64), jnp.bfloat16), ((7, 16, 3, 32), jnp.float32),
                          ((7, 16, 8, 48), jnp.float32), ((7, 16, 8, 64), jnp.int8),
-                         ((7, 16, 8, 64), jnp.float8_e4m3fn)]:
+                         ((7, 16, 8, 64), jnp.float8_e4m3fn), ((7, 16, 8, 0), jnp.bfloat16)]:
         assert shape_of(jax.ShapeDtypeStruct(shape, dtype)) is None, (shape, dtype)
 
 

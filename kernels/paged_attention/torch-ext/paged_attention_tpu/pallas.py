@@ -190,7 +190,7 @@ def lane_packed_shape(cache) -> tuple[int, int, int, int] | None:
     128 or more or not dividing 128, Hkv not a multiple of 128 / D, or a quantized cache (scales are per KV head).
     """
     p, page, hkv, d = cache.shape
-    if d >= LANES or LANES % d or (hkv * d) % LANES or dtype_name(cache) in QUANTIZED_DTYPES:
+    if not 0 < d < LANES or LANES % d or (hkv * d) % LANES or dtype_name(cache) in QUANTIZED_DTYPES:
         return None
     return p, page, hkv * d // LANES, LANES
 
