@@ -197,7 +197,7 @@ def test_strict_interpreter_never_reads_out_of_bounds_on_bad_device_values(load_
 # --------------------------------------------------------------------------- DMA pattern
 
 def _fetch_trace(P, sizes, m, tm):
-    meta = P.group_metadata(jnp.array(sizes, jnp.int32), m, tm, visit_empty=False, tail=True)
+    meta = P.run_metadata(P.rows_of_groups(jnp.array(sizes, jnp.int32), m), tm, len(sizes))
     n_items = int(meta[-1])
     return [int(x) for x in meta[1][:n_items]], [int(x) for x in meta[3][:n_items]]
 
@@ -210,7 +210,34 @@ def test_weights_are_fetched_once_per_active_group_and_never_for_empty_ones(load
     groups, fetch = _fetch_trace(P, sizes, 300, 32)
     runs = [g for i, g in enumerate(fetch) if i == 0 or fetch[i - 1] != g]
     assert runs == [1, 4, 5, 7]  # each active group once, in order; empty groups never
-    assert groups.count(8) == 300 // 32 + 1 - -(-276 // 32)  # tail tiles: one zero-writing item each
+    assert groups.count(8) == -(-300 // 32) - 276 // 32  # rows 276-299 in no group: one zero-writing item a tile
+
+
+@pytest.mark.parametrize("m,tm,g,seed", [(300, 32, 8, 0), (64, 64, 128, 1), (97, 16, 5, 2), (40, 8, 3, 3)])
+def test_run_metadata_items_are_the_maximal_runs_of_tile_and_group(load_kernel, m, tm, g, seed):
+    """Against a plain host walk over the rows: items cover the rows in order, each a maximal run of one
+    tile and one group; rows of no group (g, or past it) form items of group g that fetch nothing new;
+    decode-sized (64 rows, 128 groups: more item slots than rows); a group change every 3 rows."""
+    P = load_kernel("ragged_dot").pallas
+    rng = np.random.default_rng(seed)
+    rows = np.sort(rng.integers(0, g + 1, m))
+    if seed == 2:
+        rows[-3:] = [g, g + 4, g + 9]  # past g: no group
+    if seed == 3:
+        rows = np.minimum(np.arange(m) // 3, g)  # a new group every 3 rows, across 8-row tiles
+    bounds, item_group, item_tile, fetch_group, fetch_tile, n = (np.asarray(a) for a in P.run_metadata(
+        jnp.asarray(rows, jnp.int32), tm, g))
+    key = np.where((rows >= 0) & (rows < g), rows, g)
+    want = [r for r in range(m) if r % tm == 0 or key[r] != key[r - 1]]
+    assert int(n) == len(want) and list(bounds[:n]) == want and set(bounds[n:]) == {m}
+    assert len(item_group) >= n
+    last = (0, 0)
+    for i in range(int(n)):
+        lo, hi = bounds[i], bounds[i + 1]
+        assert set(key[lo:hi]) == {item_group[i]} and set(np.arange(lo, hi) // tm) == {item_tile[i]}
+        if item_group[i] < g:
+            last = (item_group[i], item_tile[i])
+        assert (fetch_group[i], fetch_tile[i]) == last
 
 
 def test_all_empty_groups_items_are_tail_only(load_kernel):

@@ -175,8 +175,9 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
     wdt = hidden_states.dtype if quantized else gate_up_proj.dtype  # compute dtype
     ids = top_k_index.reshape(-1).astype(jnp.int32)
     key = jnp.where((ids >= 0) & (ids < e), ids, e)  # sentinels (and padding) sort past every group
-    order = jnp.argsort(key, stable=True)
-    group_sizes = jnp.bincount(key, length=e + 1)[:e].astype(jnp.int32)
+    # one sort gives the (token, k) rows in expert order and each sorted row's expert: the kernels take
+    # their work items from the latter (pallas.run_metadata), no group sizes needed
+    row_groups, order = lax.sort((key, jnp.arange(key.shape[0], dtype=jnp.int32)), num_keys=1, is_stable=True)
     x = hidden_states.astype(wdt)[lax.div(order.astype(jnp.uint32), jnp.uint32(k))]  # unsigned: no sign fix-up
     if quantized and pallas.is_mxfp4(gate_up_proj) and not is_transposed:  # the kernel reads [E, in/2, out]
         gate_up_proj, down_proj, gate_up_scale, down_scale = (
@@ -185,6 +186,8 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
     transposed = not is_transposed  # transformers' [E, out, in] is our rhs_transposed layout
     if implementation == "tokamax":
         from . import tokamax_anchor
+
+        group_sizes = jnp.bincount(key, length=e + 1)[:e].astype(jnp.int32)
 
         hh = tokamax_anchor.ragged_dot(x, gate_up_proj, group_sizes, rhs_transposed=transposed, out_dtype=jnp.float32)
         gate, up = jnp.split(hh, 2, axis=1)
@@ -204,16 +207,16 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
             # {1,2,0}, i.e. physically [E, I, H]: take that view (a layout bitcast, no copy) rather
             # than have XLA relayout the whole weight for the kernel (Gemma-4: I = 704).
             down, down_t = jnp.swapaxes(down_proj, 1, 2), False
-        y = pallas.fused_moe(x, gate_up_proj, down, group_sizes, transposed=transposed, activation=activation,
+        y = pallas.fused_moe(x, gate_up_proj, down, None, row_groups=row_groups, transposed=transposed, activation=activation,
                              interleaved=interleaved, alpha=alpha, limit=limit, gate_up_bias=gate_up_bias,
                              down_bias=down_bias, out_dtype=wdt, down_transposed=down_t,
                              gate_up_scale=gate_up_scale, down_scale=down_scale)
     else:  # experts too large for VMEM whole (e.g. GPT-OSS-20B on TPU7x): two grouped matmuls
-        inter = pallas.gmm(x, gate_up_proj, group_sizes, transposed=transposed, activation=activation,
+        inter = pallas.gmm(x, gate_up_proj, None, row_groups=row_groups, transposed=transposed, activation=activation,
                            interleaved=interleaved, alpha=alpha, limit=limit, bias=gate_up_bias, out_dtype=wdt,
                            rhs_scale=gate_up_scale)
-        y = pallas.gmm(inter, down_proj, group_sizes, transposed=transposed, bias=down_bias, out_dtype=wdt,
-                       rhs_scale=down_scale)
+        y = pallas.gmm(inter, down_proj, None, row_groups=row_groups, transposed=transposed, bias=down_bias,
+                       out_dtype=wdt, rhs_scale=down_scale)
     # unsort by gathering each (token, k) row back, weight in the promoted dtype (as grouped_mm),
     # sum over k in f32: one XLA fusion reading y once, no [S, H] temporary
     inverse = jnp.argsort(order)  # a sort: a scatter of T*k indices is far slower on TPU (257 against 24 us at 64k)

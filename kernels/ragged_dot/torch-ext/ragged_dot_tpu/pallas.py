@@ -197,15 +197,15 @@ def choose_tgmm_tiling(m: int, k: int, n: int, *, in_dtype, out_dtype, chip: str
 
 # --------------------------------------------------------------------------- group metadata
 
-def group_metadata(group_sizes: jax.Array, m: int, tm: int, *, visit_empty: bool, tail: bool):
-    """Work items for a grouped matmul over m rows in tiles of tm, computed on device.
+def group_metadata(group_sizes: jax.Array, m: int, tm: int):
+    """Work items for the transposed grouped matmul (tgmm: one output per group) over m rows in tiles
+    of tm, computed on device: each non-empty group's tiles, and one item for each empty group (its
+    output is zeros).
 
     Returns (offsets[g+1], item_group, item_tile, fetch_group, fetch_tile, num_items) where item
-    arrays have a static length. ``item_group == g`` marks a tail item (a tile wholly past
-    ``sum(group_sizes)``, ``tail=True``). With ``visit_empty`` every empty group gets one item.
-    ``fetch_*`` are the input block indices: those of the latest item that needs data (non-empty
-    group), so empty and tail items trigger no DMA. Negative sizes count as 0 and the sizes are
-    clipped so their sum never passes m: no index can leave the arrays, whatever the values.
+    arrays have a static length. ``fetch_*`` are the input block indices: those of the latest item
+    that needs data (non-empty group), so empty groups trigger no DMA. Negative sizes count as 0 and
+    the sizes are clipped so their sum never passes m: no index can leave the arrays, whatever the values.
     """
     g = group_sizes.shape[0]
     tiles = -(-m // tm)
@@ -220,26 +220,62 @@ def group_metadata(group_sizes: jax.Array, m: int, tm: int, *, visit_empty: bool
     nonempty = ends > starts
     first_tile = jnp.minimum(div(starts), tiles - 1)
     last_tile = div(jnp.maximum(ends, 1) - 1)
-    count = jnp.where(nonempty, last_tile - first_tile + 1, 1 if visit_empty else 0)
+    count = jnp.where(nonempty, last_tile - first_tile + 1, 1)
     csum = jnp.cumsum(count)
-    real = csum[-1]
-    used_tiles = div(ends[-1] + tm - 1)
-    num_items = real + (tiles - used_tiles if tail else 0)
+    num_items = csum[-1]
 
     size = tiles + g  # static bound: every group boundary adds at most one item
     idx = jnp.arange(size, dtype=jnp.int32)
-    grp = jnp.minimum(jnp.searchsorted(csum, idx, side="right", method="compare_all"), g).astype(jnp.int32)
-    grp_c = jnp.minimum(grp, g - 1)
-    is_real = idx < real
-    tile = jnp.where(is_real, first_tile[grp_c] + idx - (csum - count)[grp_c], used_tiles + idx - real)
-    tile = jnp.minimum(tile, tiles - 1).astype(jnp.int32)  # past num_items: never run, any valid tile
-    item_group = jnp.where(is_real, grp, g).astype(jnp.int32)
-    has_data = is_real & nonempty[grp_c]
+    grp = jnp.minimum(jnp.searchsorted(csum, idx, side="right", method="compare_all"), g - 1).astype(jnp.int32)
+    tile = first_tile[grp] + idx - (csum - count)[grp]
+    tile = jnp.clip(tile, 0, tiles - 1).astype(jnp.int32)  # past num_items: never run, any valid tile
+    has_data = (idx < num_items) & nonempty[grp]
     # the latest item that needs data: group and tile only grow along such items, so theirs are the maxima
     src = lax.cummax(jnp.where(has_data, idx, -1))
-    fetch_group = jnp.where(src >= 0, grp_c[jnp.maximum(src, 0)], 0).astype(jnp.int32)
+    fetch_group = jnp.where(src >= 0, grp[jnp.maximum(src, 0)], 0).astype(jnp.int32)
     fetch_tile = jnp.where(src >= 0, tile[jnp.maximum(src, 0)], 0).astype(jnp.int32)
-    return offsets, item_group, tile, fetch_group, fetch_tile, num_items.astype(jnp.int32)
+    return offsets, grp, tile, fetch_group, fetch_tile, num_items.astype(jnp.int32)
+
+
+def rows_of_groups(group_sizes: jax.Array, m: int) -> jax.Array:
+    """The group of each of m rows [m] for consecutive groups of ``group_sizes`` (g for rows past them),
+    clamped as ``group_metadata`` clamps: negative sizes count 0, the groups end at row m."""
+    ends = jnp.minimum(jnp.cumsum(jnp.maximum(group_sizes.astype(jnp.int32), 0)), m)
+    return jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right", method="compare_all").astype(jnp.int32)
+
+
+def run_metadata(row_groups: jax.Array, tm: int, num_groups: int):
+    """Work items for a forward grouped matmul from the group of each row, computed on device in a few XLA
+    ops: what a MoE layer's routing sort gives, so it needs no group sizes nor their per-group offsets
+    (each a chain of small launches on the TPU). ``row_groups`` must be ascending, in [0, num_groups]
+    (num_groups: the row is in no group): the static bound on the items counts on it.
+
+    An item is a run of rows sharing a tm-row tile and a group. Returns (bounds, item_group, item_tile,
+    fetch_group, fetch_tile, num_items): item n covers rows [bounds[n], bounds[n + 1]) (bounds past the
+    items are m); ``item_group == num_groups`` marks rows of no group (nothing computed, zeros written).
+    ``fetch_*`` are the block indices of the latest item with data, so items of no group move nothing.
+    Other values count as no group: no index can leave the arrays, whatever the values.
+    """
+    m = row_groups.shape[0]
+    g = num_groups
+    size = -(-m // tm) + g + 1  # static bound: runs start at a tile's first row or where the group changes
+    r = jnp.arange(m, dtype=jnp.int32)
+    key = jnp.where((row_groups >= 0) & (row_groups < g), row_groups, g).astype(jnp.int32)
+    starts = (r % tm == 0) | (key != jnp.concatenate([key[:1], key[:-1]]))
+    first_rows = lax.sort(jnp.where(starts, r, m + r))  # the runs' first rows in order: one sort compacts them
+    bounds = jnp.minimum(jnp.pad(first_rows, (0, max(size + 1 - m, 0)), constant_values=m)[:size + 1], m)
+    num_items = jnp.sum(starts, dtype=jnp.int32)
+    with_data = jnp.sum(starts & (key < g), dtype=jnp.int32)
+    n = jnp.arange(size, dtype=jnp.int32)
+    row = jnp.minimum(bounds[:size], m - 1)
+    item_group = jnp.where(n < num_items, key[row], g).astype(jnp.int32)
+    item_tile = (row // tm).astype(jnp.int32)
+    # rows of no group sort last, so their items follow every item with data: they keep its blocks (a
+    # clamp, not a running max: on the TPU a cummax is a chain of five launches; vector ops, as scalar
+    # ones would be launches of their own)
+    src = jnp.maximum(jnp.minimum(n + 1, with_data) - 1, 0)
+    fetch_group = jnp.where(item_group[src] < g, item_group[src], 0)  # no group anywhere: any valid block
+    return bounds, item_group, item_tile, fetch_group, item_tile[src], num_items
 
 
 # --------------------------------------------------------------------------- epilogues
@@ -544,7 +580,7 @@ def _deinterleave(y):
     return tuple(lax.bitcast_convert_type(pairs[:, i, :].T, y.dtype) for i in (0, 1))
 
 
-def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
+def _gmm_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs,
                 tm, tn, chunk, num_groups, transposed, activation, interleaved, alpha, limit, has_bias, quant):
     del fetch_tile  # index maps only
     n_w = 2 if activation != "none" and not interleaved else 1
@@ -591,7 +627,7 @@ def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
 
     @pl.when(grp < num_groups)
     def _compute():
-        start, end = offsets[grp], offsets[grp + 1]
+        start, end = bounds[i], bounds[i + 1]
         dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
 
         def epilogue(rows, n_rows):  # the output rows ``rows`` of the tile, f32
@@ -634,15 +670,17 @@ def _gmm_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, *refs,
                         sub=_sublanes(lhs_refs[0].dtype), body=chunk_rows)
 
     @pl.when(jnp.logical_and(grp >= num_groups, first))
-    def _tail():  # a tile past sum(group_sizes): ragged_dot defines these rows as zero
+    def _tail():  # a tile of rows in no group (past sum(group_sizes)): ragged_dot defines them as zero
         out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
 
 def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: int | None = None,
         tn: int | None = None, activation: str = "none", interleaved: bool = False, alpha: float = 1.702,
         limit: float = 7.0, bias=None, rhs_scale=None, chip: str | None = None,
-        vmem_limit_bytes: int | None = None, chunk: int | None = None, in_dots: bool | None = None):
+        vmem_limit_bytes: int | None = None, chunk: int | None = None, in_dots: bool | None = None,
+        row_groups=None):
     """out[rows of group i] = epilogue(lhs[rows] @ rhs[i]); rows past sum(group_sizes) are 0.
+    ``row_groups`` [m] (the sorted group of each row, g for none; ``run_metadata``) replaces group_sizes.
 
     rhs is [g, k, n], or [g, n, k] with ``transposed`` (transformers' layout, used as is). With a
     gated ``activation`` the weight's n holds [gate; up] halves (or, ``interleaved``, gate and up in
@@ -681,7 +719,7 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
             except ValueError:
                 ftm = ftn = None
             both = gmm(lhs, rhs, group_sizes, transposed=transposed, out_dtype=out_dtype, tm=ftm, tn=ftn, bias=bias,
-                       rhs_scale=rhs_scale, chip=chip, vmem_limit_bytes=vmem_limit_bytes)
+                       rhs_scale=rhs_scale, chip=chip, vmem_limit_bytes=vmem_limit_bytes, row_groups=row_groups)
             both = both.astype(jnp.float32)
             return _activate(both[:, :n], both[:, n:], activation, alpha, limit).astype(out_dtype)
         tm, tn = tm or ctm, tn or ctn
@@ -697,8 +735,8 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
     tiles_n = -(-n // tn)
     up_off = n // tn if n_w == 2 else 0
     wn = 2 * tn if interleaved else tn  # weight columns per block
-    offsets, item_group, item_tile, fetch_group, fetch_tile, num_items = group_metadata(
-        group_sizes, m, tm, visit_empty=False, tail=True)
+    bounds, item_group, item_tile, fetch_group, fetch_tile, num_items = run_metadata(
+        rows_of_groups(group_sizes, m) if row_groups is None else row_groups, tm, g)
 
     def lhs_map(j, i, off, ig, it, fg, ft):
         return ft[i], 0
@@ -778,7 +816,7 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
         cost_estimate=pl.CostEstimate(flops=2 * m * k * n_full, transcendentals=0,
                                       bytes_accessed=g * k * n_full * wb + m * k * inb + m * n * outb),
         name="ragged_dot_gmm",
-    )(offsets, item_group, item_tile, fetch_group, fetch_tile, *operands)
+    )(bounds, item_group, item_tile, fetch_group, fetch_tile, *operands)
 
 
 # --------------------------------------------------------------------------- tgmm kernel
@@ -818,8 +856,7 @@ def tgmm(x, y, group_sizes, *, out_dtype=None, tm: int | None = None, tk: int | 
     if tm is None or tk is None or tn is None:
         ctm, ctk, ctn = choose_tgmm_tiling(m, kx, ny, in_dtype=x.dtype, out_dtype=out_dtype, chip=chip)
         tm, tk, tn = tm or ctm, tk or ctk, tn or ctn
-    offsets, item_group, item_tile, fetch_group, fetch_tile, num_items = group_metadata(
-        group_sizes, m, tm, visit_empty=True, tail=False)
+    offsets, item_group, item_tile, fetch_group, fetch_tile, num_items = group_metadata(group_sizes, m, tm)
     spec = _chip(chip)
     need = 2 * tm * (tk + tn) * x.dtype.itemsize + 3 * tk * tn * 4 + 2 * tm * (tk + tn) * 4
     return pl.pallas_call(
@@ -943,7 +980,7 @@ def reference(lhs, rhs, group_sizes, rhs_transposed=False, out_dtype=None):
 
 # --------------------------------------------------------------------------- fused expert MLP
 
-def _moe_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, x_ref, *refs, tm, chunk, num_groups,
+def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, x_ref, *refs, tm, chunk, num_groups,
                 transposed, down_transposed, activation, interleaved, alpha, limit, has_bias, quant):
     del fetch_tile
     n_w = 1 if interleaved else 2
@@ -989,7 +1026,7 @@ def _moe_kernel(offsets, item_group, item_tile, fetch_group, fetch_tile, x_ref, 
 
     @pl.when(grp < num_groups)
     def _compute():
-        start, end = offsets[grp], offsets[grp + 1]
+        start, end = bounds[i], bounds[i + 1]
 
         def chunk_rows(r0):  # MXU work only for chunks holding rows of this group
             rows = pl.ds(r0, chunk)
@@ -1058,12 +1095,13 @@ def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True
 
 def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="silu", interleaved=False,
               alpha=1.702, limit=7.0, gate_up_bias=None, down_bias=None, out_dtype=None, tm=None, chunk=None,
-              chip=None, down_transposed=None, gate_up_scale=None, down_scale=None, in_dots=None):
+              chip=None, down_transposed=None, gate_up_scale=None, down_scale=None, in_dots=None, row_groups=None):
     """down(act(x @ gate) * (x @ up)) per group in ONE kernel: the intermediate never leaves VMEM.
 
     x [m, H] (rows sorted by group), gate_up [g, 2I, H] / down [g, H, I] (``transposed``, the
-    transformers layout) or [g, H, 2I] / [g, I, H]; rows past sum(group_sizes) are zero. One grid
-    step per (group, m-tile) item; each expert's three weight slabs are fetched once.
+    transformers layout) or [g, H, 2I] / [g, I, H]; rows past sum(group_sizes) are zero (``row_groups``
+    [m], each row's group, g for none, replaces group_sizes: ``run_metadata``). One grid step per run of
+    a group's rows in an m-tile; each expert's three weight slabs are fetched once.
     ``down_transposed`` (default: ``transposed``) gives down's layout on its own.
     ``gate_up_scale`` / ``down_scale``: quantized weights (``QUANT_DTYPES``, transposed layout),
     dequantized to x's dtype in VMEM once per expert, or inside each chunk's dots (``in_dots``; default
@@ -1082,8 +1120,8 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     if tm % sub or chunk % sub or chunk > tm:
         raise ValueError(f"fused_moe: tm={tm} and chunk={chunk} must be multiples of {sub} (x is {x.dtype}), "
                          "chunk at most tm")
-    offsets, item_group, item_tile, fetch_group, fetch_tile, num_items = group_metadata(
-        group_sizes, m, tm, visit_empty=False, tail=True)
+    bounds, item_group, item_tile, fetch_group, fetch_tile, num_items = run_metadata(
+        rows_of_groups(group_sizes, m) if row_groups is None else row_groups, tm, g)
     imap = lambda f: (lambda it, off, ig, itl, fg, ft: f(it, fg, ft))  # noqa: E731
     if interleaved:
         w_specs = [pl.BlockSpec((None, 2 * i, h) if transposed else (None, h, 2 * i), imap(lambda it, fg, ft: (fg[it], 0, 0)))]
@@ -1134,4 +1172,4 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
         cost_estimate=pl.CostEstimate(flops=2 * m * h * 3 * i, transcendentals=m * i,
                                       bytes_accessed=g * 3 * h * i * gate_up.dtype.itemsize + m * h * (x.dtype.itemsize + out_dtype.itemsize)),
         name="ragged_dot_fused_moe",
-    )(offsets, item_group, item_tile, fetch_group, fetch_tile, *operands)
+    )(bounds, item_group, item_tile, fetch_group, fetch_tile, *operands)
