@@ -1,7 +1,8 @@
 """Compile matrix of ragged-dot-tpu: what `pallas-hub check ragged_dot` compiles for v5e, v6e and TPU7x.
 
 ragged_dot (forward, the gate_up layer), its backward, and the whole experts op at real MoE
-shapes (transformers' weight layouts, bf16) for 1, 64, 256 and 4096 tokens (top-k rows each);
+shapes (transformers' weight layouts, bf16) for 1, 64, 256 and 4096 tokens (top-k rows each; 1 token,
+bucket 8, is the decode kernel, the others the row-tiled fused kernel);
 quantized experts (fp8 e4m3 with transformers' 128x128 block scale_inv, int8 per channel) at
 Qwen3-30B-A3B's shapes (fused kernel) and DeepSeek-V3's (two grouped matmuls); GPT-OSS-20B's MXFP4
 experts in the layout ``from_pretrained_mxfp4`` stores (the checkpoint's own layout took 565 s to compile
@@ -104,7 +105,7 @@ def configs(kernel):
     mesh = tpu_mesh(("ep",), (8,), EIGHT_CHIP_TOPOLOGY)
     rep, shard = NamedSharding(mesh, PartitionSpec()), NamedSharding(mesh, PartitionSpec("ep"))
     h, e, k, i, _ = MODELS["qwen3-30b-a3b"]
-    for t in (64, 4096):
+    for t in (1, 64, 4096):  # 1: the decode kernel on each rank's 16 experts
         specs = [S(a.shape, a.dtype, sharding=rep if n < 3 else shard)
                  for n, a in enumerate(_experts_specs(t, h, e, k, i))]
         out.append(Config(f"qwen3-30b-a3b experts EP=8 T={t}", functools.partial(X.experts_sharded, mesh),

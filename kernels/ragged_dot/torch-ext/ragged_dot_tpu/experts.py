@@ -173,6 +173,25 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
         return jnp.zeros((t, h), hidden_states.dtype)
     quantized = gate_up_scale is not None
     wdt = hidden_states.dtype if quantized else gate_up_proj.dtype  # compute dtype
+    transposed = not is_transposed  # transformers' [E, out, in] is our rhs_transposed layout
+    inter_size = down_proj.shape[2] if transposed else down_proj.shape[1]
+    # the whole expert MLP in one kernel (the intermediate never leaves VMEM) when each expert's slabs fit.
+    # (GPT-OSS's interleaved layout takes the two-kernel path: XLA:CPU's interpreter rejects one of its
+    # bf16 dots inside this kernel, "DotThunk ... BF16 x BF16 = F32", so it is not verified.)
+    fused = implementation == "pallas" and not interleaved and not pallas.is_mxfp4(gate_up_proj) and \
+        pallas.fused_moe_tiling(t * k, h, inter_size, in_dtype=wdt, out_dtype=wdt, transposed=transposed,
+                                w_dtype=gate_up_proj.dtype, groups=e) is not None
+    down, down_t = down_proj, transposed
+    if fused and transposed and inter_size % 128 and h % 128 == 0 and not quantized:
+        # TPU's default layout of [E, H, I] with I off the 128-lane grid is minor-to-major
+        # {1,2,0}, i.e. physically [E, I, H]: take that view (a layout bitcast, no copy) rather
+        # than have XLA relayout the whole weight for the kernel (Gemma-4: I = 704).
+        down, down_t = jnp.swapaxes(down_proj, 1, 2), False
+    if fused and t <= pallas.DECODE_TOKENS and not quantized and gate_up_bias is None and down_bias is None:
+        # decode: routing, weighting and the top-k sum inside the kernel too (no gathers or unsort around it)
+        return pallas.decode_moe(hidden_states.astype(wdt), gate_up_proj, down, top_k_index, top_k_weights,
+                                 transposed=transposed, down_transposed=down_t, activation=activation, alpha=alpha,
+                                 limit=limit, out_dtype=hidden_states.dtype)
     ids = top_k_index.reshape(-1).astype(jnp.int32)
     key = jnp.where((ids >= 0) & (ids < e), ids, e)  # sentinels (and padding) sort past every group
     # one sort gives the (token, k) rows in expert order and each sorted row's expert: the kernels take
@@ -182,8 +201,7 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
     if quantized and pallas.is_mxfp4(gate_up_proj) and not is_transposed:  # the kernel reads [E, in/2, out]
         gate_up_proj, down_proj, gate_up_scale, down_scale = (
             jnp.swapaxes(a, 1, 2) for a in (gate_up_proj, down_proj, gate_up_scale, down_scale))
-        is_transposed = True
-    transposed = not is_transposed  # transformers' [E, out, in] is our rhs_transposed layout
+        transposed = False
     if implementation == "tokamax":
         from . import tokamax_anchor
 
@@ -195,18 +213,7 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
         y = tokamax_anchor.ragged_dot(inter, down_proj, group_sizes, rhs_transposed=transposed, out_dtype=wdt)
         valid = (jnp.arange(x.shape[0]) < group_sizes.sum())[:, None]
         y = jnp.where(valid, y, 0)  # tokamax leaves rows past sum(group_sizes) uninitialised
-    elif not interleaved and not pallas.is_mxfp4(gate_up_proj) and pallas.fused_moe_tiling(x.shape[0], h, down_proj.shape[2] if transposed else down_proj.shape[1],
-                                 in_dtype=wdt, out_dtype=wdt, transposed=transposed, interleaved=interleaved,
-                                 w_dtype=gate_up_proj.dtype, groups=gate_up_proj.shape[0]):
-        # the whole expert MLP in one kernel: the intermediate never leaves VMEM. (GPT-OSS's
-        # interleaved layout takes the two-kernel path: XLA:CPU's interpreter rejects one of its
-        # bf16 dots inside this kernel, "DotThunk ... BF16 x BF16 = F32", so it is not verified.)
-        down, down_t = down_proj, transposed
-        if transposed and down_proj.shape[2] % 128 and h % 128 == 0 and not quantized:
-            # TPU's default layout of [E, H, I] with I off the 128-lane grid is minor-to-major
-            # {1,2,0}, i.e. physically [E, I, H]: take that view (a layout bitcast, no copy) rather
-            # than have XLA relayout the whole weight for the kernel (Gemma-4: I = 704).
-            down, down_t = jnp.swapaxes(down_proj, 1, 2), False
+    elif fused:
         y = pallas.fused_moe(x, gate_up_proj, down, None, row_groups=row_groups, transposed=transposed, activation=activation,
                              interleaved=interleaved, alpha=alpha, limit=limit, gate_up_bias=gate_up_bias,
                              down_bias=down_bias, out_dtype=wdt, down_transposed=down_t,

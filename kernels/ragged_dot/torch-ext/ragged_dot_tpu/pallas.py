@@ -1173,3 +1173,99 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
                                       bytes_accessed=g * 3 * h * i * gate_up.dtype.itemsize + m * h * (x.dtype.itemsize + out_dtype.itemsize)),
         name="ragged_dot_fused_moe",
     )(bounds, item_group, item_tile, fetch_group, fetch_tile, *operands)
+
+
+# --------------------------------------------------------------------------- decode experts
+
+DECODE_TOKENS = 8  # decode_moe runs every token through each routed expert: at most one f32 sublane tile of rows
+
+
+def _decode_moe_kernel(expert, fetch, keys_ref, weights_ref, tokens_ref, x_ref, g_ref, u_ref, d_ref, out_ref, acc_ref,
+                       *, num_groups, transposed, down_transposed, activation, alpha, limit, prod_dtype):
+    del fetch
+    s = pl.program_id(0)
+    e = expert[s]
+
+    @pl.when(s == 0)
+    def _zero():
+        acc_ref[...] = jnp.zeros(acc_ref.shape, acc_ref.dtype)
+
+    # steps are the routed (token, k) pairs in expert order: an expert's first pair computes, its others are
+    # empty steps (their weight blocks do not change, so nothing is fetched either)
+    @pl.when((e < num_groups) & ((s == 0) | (expert[jnp.maximum(s - 1, 0)] != e)))
+    def _expert():
+        x = x_ref[...]  # all T rows: as cheap on the MXU as the expert's own, and no dynamic row offsets
+        dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
+        ddims = (((1,), (1,)), ((), ())) if down_transposed else (((1,), (0,)), ((), ()))
+        gate = lax.dot_general(x, g_ref[...], dims, preferred_element_type=jnp.float32)
+        up = lax.dot_general(x, u_ref[...], dims, preferred_element_type=jnp.float32)
+        h = _activate(gate, up, activation, alpha, limit).astype(d_ref.dtype)
+        y = lax.dot_general(h, d_ref[...], ddims, preferred_element_type=jnp.float32).astype(out_ref.dtype)
+        # each token's routing weight for this expert (0 for tokens not routed to it), from [1, pairs] vectors
+        token = lax.broadcasted_iota(jnp.int32, (x.shape[0], keys_ref.shape[1]), 0)
+        mine = (keys_ref[...] == e) & (tokens_ref[...] == token)
+        w = jnp.sum(jnp.where(mine, weights_ref[...], 0.0), axis=1, keepdims=True)
+        acc_ref[...] += (y.astype(prod_dtype) * w.astype(prod_dtype)).astype(jnp.float32)
+
+    @pl.when(s == pl.num_programs(0) - 1)
+    def _out():
+        out_ref[...] = acc_ref[...].astype(out_ref.dtype)
+
+
+def decode_moe(x, gate_up, down, top_k_index, top_k_weights, *, transposed=True, down_transposed=None,
+               activation="silu", alpha=1.702, limit=7.0, out_dtype=None, chip=None):
+    """The whole experts layer for a few tokens (T <= ``DECODE_TOKENS``) in one kernel: routing,
+    expert MLPs, weighting and the sum over top-k.
+
+    x [T, H] in the weights' dtype; gate_up / down as ``fused_moe`` (no bias, not interleaved, not
+    quantized); top_k_index / top_k_weights [T, k], ids outside [0, g) route nowhere. Returns
+    sum_k w[t, k] * mlp_{ids[t, k]}(x[t]) [T, H] in ``out_dtype`` (default x's): each expert's output
+    is rounded to x's dtype and weighted in its promotion with the weights' dtype (as the experts op),
+    summed in f32.
+
+    One sort orders the (token, k) pairs by expert; the grid has one step per routed pair, and the
+    sorted ids, scalar-prefetched, pick each step's weight blocks, so every routed expert's weights
+    cross HBM once and padding moves nothing. There is no gather of x, unsort or weighted sum left
+    to XLA: at decode sizes those launches cost as much as the kernel's own work.
+    """
+    down_transposed = transposed if down_transposed is None else down_transposed
+    t, h = x.shape
+    k = top_k_index.shape[1]
+    g = gate_up.shape[0]
+    i = (gate_up.shape[1] if transposed else gate_up.shape[2]) // 2
+    m = t * k
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    ids = top_k_index.reshape(-1).astype(jnp.int32)
+    key = jnp.where((ids >= 0) & (ids < g), ids, g)  # no group: sorts after every expert
+    keys, order = lax.sort((key, jnp.arange(m, dtype=jnp.int32)), num_keys=1)
+    routed = jnp.sum(key < g, dtype=jnp.int32)
+    # weight blocks per step: pairs routed nowhere keep the last routed expert's (no fetch)
+    fetch = jnp.minimum(keys, keys[jnp.maximum(routed - 1, 0)]) % g
+    tokens = lax.div(order.astype(jnp.uint32), jnp.uint32(k)).astype(jnp.int32)
+    # the routing weights reach the kernel as a VMEM vector: data-dependent scalar operands would need SMEM
+    weights = top_k_weights.reshape(-1).astype(jnp.float32)[order]
+    blk = (None, i, h) if transposed else (None, h, i)
+    half = lambda s: (lambda st, ex, fg: (fg[st], s, 0) if transposed else (fg[st], 0, s))  # noqa: E731
+    whole = lambda shape: pl.BlockSpec(shape, lambda st, ex, fg: (0,) * len(shape))  # noqa: E731
+    in_specs = [whole((1, m))] * 3 + [whole((t, h)), pl.BlockSpec(blk, half(0)), pl.BlockSpec(blk, half(1)),
+                                      pl.BlockSpec((None, h, i) if down_transposed else (None, i, h),
+                                                   lambda st, ex, fg: (fg[st], 0, 0))]
+    need = moe_vmem_bytes(_round_up(t, 8), _round_up(t, 8), h, i, x.dtype.itemsize, out_dtype.itemsize) + t * h * 4
+    kernel = functools.partial(_decode_moe_kernel, num_groups=g, transposed=transposed,
+                               down_transposed=down_transposed, activation=activation, alpha=float(alpha),
+                               limit=float(limit),
+                               prod_dtype=jnp.promote_types(x.dtype, top_k_weights.dtype))
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((t, h), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(jnp.maximum(routed, 1),), in_specs=in_specs, out_specs=whole((t, h)),
+            scratch_shapes=[pltpu.VMEM((t, h), jnp.float32)]),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",),
+            vmem_limit_bytes=int(min(max(need * 1.25 + 4 * MiB, 32 * MiB), _chip(chip).vmem_bytes * 0.9))),
+        cost_estimate=pl.CostEstimate(flops=2 * m * h * 3 * i, transcendentals=m * i,
+                                      bytes_accessed=min(m, g) * 3 * h * i * gate_up.dtype.itemsize
+                                      + t * h * (x.dtype.itemsize + out_dtype.itemsize)),
+        name="ragged_dot_decode_moe",
+    )(keys, fetch, keys.reshape(1, m), weights.reshape(1, m), tokens.reshape(1, m), x, gate_up, gate_up, down)
