@@ -1072,25 +1072,38 @@ def dequantize_in_dots(m: int, groups: int, chunk: int, w_dtype, chip: str | Non
     return jnp.dtype(w_dtype) == jnp.int8 or e4m3_mode(chip) != "native"
 
 
+# Average rows per expert above which the fused MLP's loop takes 256-row chunks on a 256-wide MXU: each
+# chunk pushes every weight block through the MXU, so larger groups want fewer, longer chunks; the rows a
+# chunk holds beyond its group are wasted. Measured on the fused MLP of Qwen3-30B-A3B (kernel us, 128 -> 256
+# rows; the bench's cost model): 8192 tokens (512 rows an expert) v6e 1644 -> 1355, TPU7x 1149 -> 892;
+# 2048 tokens (128 rows) v6e 823 -> 844, TPU7x 471 -> 402; v5e (128-wide MXU) slower at both.
+LONG_CHUNK_ROWS = {"v6e": 192, "tpu7x": 96}
+
+
 def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True, interleaved=False,
                      w_dtype=None, groups=None):
     """(tm, chunk) for the fused expert MLP, or None when it does not fit (then use two gmm calls):
     each expert's gate, up and down slabs must sit in VMEM whole, double-buffered (``w_dtype``:
-    quantized weights, also held dequantized); ``groups``: the number of experts (``group_chunk_rows``)."""
+    quantized weights, also held dequantized); ``groups``: the number of experts (``group_chunk_rows``,
+    ``LONG_CHUNK_ROWS``)."""
     spec = _chip(chip)
     sub = _sublanes(in_dtype)
     if not transposed and not interleaved and i % 128:
         return None  # [E, H, 2I] with a half width off the lane grid cannot be split in two blocks
-    tm = min(512, _round_up(max(m, 1), sub))
-    chunk = min(tm, group_chunk_rows(m, groups))
+    chunks = [group_chunk_rows(m, groups)]
+    if spec.mxu_dim >= 256 and -(-m // (groups or 1)) > LONG_CHUNK_ROWS.get(spec.name, m):
+        chunks.insert(0, 256)  # the shorter chunk stays as the fallback when the longer one's temporaries do not fit
     budget = int(spec.vmem_bytes * 0.6)  # measured: Gemma-4 26B-A4B experts compile on TPU7x at this budget
     wb = jnp.dtype(w_dtype or in_dtype).itemsize
-    need = lambda tm: moe_vmem_bytes(tm, chunk, h, i, jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize, wb)  # noqa: E731
-    while tm > chunk and need(tm) > budget:
-        tm //= 2
-    if need(tm) > budget:
-        return None
-    return tm, chunk
+    for chunk in chunks:
+        tm = min(512, _round_up(max(m, 1), sub))
+        chunk = min(tm, chunk)
+        need = lambda tm: moe_vmem_bytes(tm, chunk, h, i, jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize, wb)  # noqa: E731
+        while tm > chunk and need(tm) > budget:
+            tm //= 2
+        if need(tm) <= budget:
+            return tm, chunk
+    return None
 
 
 def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="silu", interleaved=False,
