@@ -437,13 +437,15 @@ def _mlp_reference(x, gu, dn, sizes):
     # chunks from the 8-row tile of a group's first row, one pulled back inside the 64-row tile ([17, 60):
     # rows 16-47 then 32-63), a group starting in a tile's last 8 rows and crossing into the next
     ("fast", 128, True, 64, 32, [17, 43, 0, 3, 2, 30]),
+    # prefill-sized groups in 256-row chunks of 512-row tiles (LONG_CHUNK_ROWS), a partial last tile
+    ("fast", 128, True, 512, 256, [300, 0, 17, 260, 100]),
     pytest.param("strict", 128, True, 32, 16, [5, 0, 40, 0, 3, 9], marks=pytest.mark.strict_interpret),
     pytest.param("strict", 128, True, 64, 32, [17, 43, 0, 3, 2, 30], marks=pytest.mark.strict_interpret)])
 def test_fused_moe_matches_reference(load_kernel, mode, i, down_t, tm, chunk, sizes):
     """Groups straddling chunks of a tile, empty groups, tail rows, a partial tile; down in transformers'
     [E, H, I] layout or (down_t=False) the [E, I, H] view experts() takes when I is off the lane grid."""
     P = load_kernel("ragged_dot").pallas
-    h, m = 128, 120
+    h, m = 128, max(120, sum(sizes) + 9)
     ks = jax.random.split(jax.random.key(3), 3)
     x = jax.random.normal(ks[0], (m, h))
     gu = 0.1 * jax.random.normal(ks[1], (len(sizes), 2 * i, h))
@@ -454,6 +456,21 @@ def test_fused_moe_matches_reference(load_kernel, mode, i, down_t, tm, chunk, si
     assert not np.isnan(np.asarray(out)).any()
     _close(out, _mlp_reference(x, gu, dn, sizes), 1e-4)
     assert not np.asarray(out)[sum(sizes):].any()
+
+
+def test_fused_moe_takes_long_chunks_where_they_measured_faster(load_kernel):
+    """256-row chunks for experts averaging more than LONG_CHUNK_ROWS rows on 256-wide MXUs (Qwen3-30B-A3B's
+    shapes: 8192 and 2048 tokens x top-8 over 128 experts), 128 on v5e; when 256 rows of temporaries do not
+    fit TPU7x's VMEM, 128 rows and still the one fused kernel."""
+    P = load_kernel("ragged_dot").pallas
+
+    def chunk(m, chip, h=2048, i=768):
+        return P.fused_moe_tiling(m, h, i, in_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, chip=chip, groups=128)[1]
+
+    assert (chunk(65536, "v6e"), chunk(16384, "v6e"), chunk(16384, "tpu7x"), chunk(65536, "v5e")) == (256, 128, 256, 128)
+    assert chunk(4096, "tpu7x") == 64  # decode-sized groups (32 rows an expert) keep the short chunks
+    assert P.fused_moe_tiling(65536, 4096, 512, in_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, chip="tpu7x",
+                              groups=128) == (256, 128)
 
 
 # --------------------------------------------------------------------------- decode experts
