@@ -525,11 +525,27 @@ def test_decode_moe_matches_a_per_token_loop(load_kernel, routing, layout):
     _close(out, _experts_reference(x, ids, wts, gu, dn), 1e-4)
 
 
+def test_decode_moe_token_routed_nowhere_stays_zero_when_its_passes_overflow(load_kernel):
+    """Every token's row goes through each routed expert's MXU passes; a token routed nowhere whose passes
+    overflow (inf, then NaN after the activation) still gets exact zeros, and the others their sums."""
+    P = load_kernel("ragged_dot").pallas
+    ids = jnp.array([[6, -1], [1, 2], [2, 6]], jnp.int32)
+    e, h, i = 6, 128, 128
+    ks = jax.random.split(jax.random.key(12), 4)
+    x = jax.random.normal(ks[0], (3, h)).at[0].set(3e38)
+    wts = jax.nn.softmax(jax.random.normal(ks[1], (3, 2)), -1)
+    gu = 0.1 * jax.random.normal(ks[2], (e, 2 * i, h))
+    dn = 0.1 * jax.random.normal(ks[3], (e, h, i))
+    with interpret("fast"):
+        out = np.asarray(P.decode_moe(x, gu, dn, ids, wts))
+    assert not out[0].any()
+    _close(out[1:], _experts_reference(x[1:], ids[1:], wts[1:], gu, dn), 1e-4)
+
+
 @pytest.mark.parametrize("mode", ["fast", pytest.param("strict", marks=pytest.mark.strict_interpret)])
-def test_decode_moe_in_bf16_rounds_as_the_experts_op(load_kernel, mode):
-    """bf16 weights and routing weights, gelu_tanh, a float32 output: each expert output rounds to bf16
-    and its product with the routing weight to bf16 (their promotion), as the experts op's other paths do;
-    the strict interpreter checks the blocks (NaN-initialised memory, out-of-bounds reads)."""
+def test_decode_moe_in_bf16(load_kernel, mode):
+    """bf16 weights and routing weights, gelu_tanh, a float32 output, against the per-token loop at bf16's
+    tolerance; the strict interpreter checks the blocks (NaN-initialised memory, out-of-bounds reads)."""
     P = load_kernel("ragged_dot").pallas
     ids = jnp.array(DECODE_IDS["padded-bucket"], jnp.int32)
     t, k = ids.shape
@@ -545,6 +561,67 @@ def test_decode_moe_in_bf16_rounds_as_the_experts_op(load_kernel, mode):
     _close(out, _experts_reference(x, ids, wts, gu, dn, "gelu_tanh"), 8e-3)
 
 
+def test_decode_kernel_rounds_as_the_row_tiled_path(load_kernel, monkeypatch):
+    """f32 hidden states, bf16 experts, f32 routing weights: the decode kernel rounds as the row-tiled path
+    (decode turned off) does, each expert output to bf16 (the weights' dtype) and its product with the
+    routing weight in f32, so the two agree up to the order of f32 sums. (With bf16 routing weights XLA:CPU
+    rounds the row-tiled path's f32 sum over top-k to bf16, so that pair is compared at bf16's tolerance,
+    in test_decode_moe_in_bf16.)"""
+    routing_dtype = jnp.float32
+    kern = load_kernel("ragged_dot")
+    t, k, e, h, i = 5, 3, 6, 256, 128
+    ks = jax.random.split(jax.random.key(11), 5)
+    ids = jnp.argsort(jax.random.uniform(ks[0], (t, e + 1)), axis=1)[:, :k]  # distinct ids, some the sentinel e
+    x = jax.random.normal(ks[1], (t, h))
+    wts = jax.nn.softmax(jax.random.normal(ks[2], (t, k)), -1).astype(routing_dtype)
+    gu = (0.1 * jax.random.normal(ks[3], (e, 2 * i, h))).astype(jnp.bfloat16)
+    dn = (0.1 * jax.random.normal(ks[4], (e, h, i))).astype(jnp.bfloat16)
+    with interpret("fast"):
+        ours = kern.experts.experts(x, ids, wts, gu, dn)
+        monkeypatch.setattr(kern.pallas, "DECODE_TOKENS", 0)
+        theirs = kern.experts.experts(x, ids, wts, gu, dn)
+    assert ours.dtype == theirs.dtype == jnp.float32
+    _close(ours, theirs, 1e-6)
+
+
+def _launched(fn, *args):
+    """The names of the Pallas kernels ``fn(*args)`` traces, in nested jaxprs too."""
+    from jax.extend.core import ClosedJaxpr, Jaxpr
+
+    def walk(jaxpr):
+        for eq in jaxpr.eqns:
+            if eq.primitive.name == "pallas_call":
+                yield eq.params["name"]
+            for v in eq.params.values():
+                for sub in v if isinstance(v, (tuple, list)) else (v,):
+                    if isinstance(sub, (ClosedJaxpr, Jaxpr)):
+                        yield from walk(sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub)
+
+    return set(walk(jax.make_jaxpr(fn)(*args).jaxpr))
+
+
+@pytest.mark.parametrize("variant", ["biases", "down-bias", "int8", "interleaved", "tokamax"])
+def test_experts_op_keeps_what_the_decode_kernel_lacks_on_the_other_kernels(load_kernel, variant):
+    """At 8 tokens, experts with biases, int8 weights, GPT-OSS's interleaved layout or the tokamax
+    implementation are not sent to the decode kernel (it has none of them)."""
+    X = load_kernel("ragged_dot").experts
+    t, k, e, h, i = 8, 2, 4, 128, 128
+    args = [jnp.ones((t, h)), jnp.zeros((t, k), jnp.int32), jnp.ones((t, k)), jnp.ones((e, 2 * i, h)), jnp.ones((e, h, i))]
+    kw = {}
+    if variant in ("biases", "down-bias"):
+        kw = dict(gate_up_bias=None if variant == "down-bias" else jnp.ones((e, 2 * i)), down_bias=jnp.ones((e, h)))
+    elif variant == "int8":
+        args[3:] = [jnp.ones((e, 2 * i, h), jnp.int8), jnp.ones((e, h, i), jnp.int8)]
+        kw = dict(gate_up_scale=jnp.ones((e, 2 * i)), down_scale=jnp.ones((e, h)))
+    elif variant == "interleaved":
+        args[3:] = [jnp.ones((e, h, 2 * i)), jnp.ones((e, i, h))]
+        kw = dict(is_transposed=True, interleaved=True, activation="swiglu_oai")
+    else:
+        kw = dict(implementation="tokamax")
+    launched = _launched(functools.partial(X.experts, **kw), *args)
+    assert launched and "ragged_dot_decode_moe" not in launched, launched
+
+
 @pytest.mark.parametrize("t,kernel", [(8, "ragged_dot_decode_moe"), (9, "ragged_dot_fused_moe")])
 def test_experts_op_takes_the_decode_kernel_up_to_eight_tokens(load_kernel, t, kernel):
     """experts() runs the decode kernel for a bucket of 8 tokens and the row-tiled one beyond, and both
@@ -558,8 +635,7 @@ def test_experts_op_takes_the_decode_kernel_up_to_eight_tokens(load_kernel, t, k
     gu = 0.1 * jax.random.normal(ks[2], (e, 2 * i, h))
     dn = 0.1 * jax.random.normal(ks[3], (e, h, i))
     run = functools.partial(kern.experts.experts, activation="silu")
-    launched = {eq.params["name"] for eq in jax.make_jaxpr(run)(x, ids, wts, gu, dn).jaxpr.eqns
-                if eq.primitive.name == "pallas_call"}
+    launched = _launched(run, x, ids, wts, gu, dn)
     assert launched == {kernel}, launched
     with interpret("fast"):
         out = run(x, ids, wts, gu, dn)

@@ -4,8 +4,8 @@
 what ``ALL_EXPERTS_FUNCTIONS.register("tokamax_ragged_dot", experts_forward)`` plugs in. It reads
 the weights and the activation off ``self`` and makes one custom-op call whose JAX body is
 ``experts`` below. Token counts are padded to a bucket (padding rows are routed to no expert, so
-they cost no weight traffic and no MXU work), so a decode loop compiles once per bucket, not once
-per batch size. Expert ids outside [0, num_experts) are expert-parallel sentinels: never
+they cost no weight traffic, and above 8 tokens no MXU work), so a decode loop compiles once per bucket,
+not once per batch size. Expert ids outside [0, num_experts) are expert-parallel sentinels: never
 computed, they contribute zero.
 """
 

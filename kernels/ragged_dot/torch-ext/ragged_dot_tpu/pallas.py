@@ -1075,8 +1075,9 @@ def dequantize_in_dots(m: int, groups: int, chunk: int, w_dtype, chip: str | Non
 # Average rows per expert above which the fused MLP's loop takes 256-row chunks on a 256-wide MXU: each
 # chunk pushes every weight block through the MXU, so larger groups want fewer, longer chunks; the rows a
 # chunk holds beyond its group are wasted. Measured on the fused MLP of Qwen3-30B-A3B (kernel us, 128 -> 256
-# rows; the bench's cost model): 8192 tokens (512 rows an expert) v6e 1644 -> 1355, TPU7x 1149 -> 892;
-# 2048 tokens (128 rows) v6e 823 -> 844, TPU7x 471 -> 402; v5e (128-wide MXU) slower at both.
+# rows; modelled by the bench's cost model): 8192 tokens (512 rows an expert) v6e 1644 -> 1355, TPU7x
+# 1149 -> 892; 2048 tokens (128 rows) v6e 823 -> 844, TPU7x 471 -> 402; v5e (128-wide MXU) slower at both.
+# Quantized experts (unmeasured at these sizes) keep 128.
 LONG_CHUNK_ROWS = {"v6e": 192, "tpu7x": 96}
 
 
@@ -1091,7 +1092,8 @@ def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True
     if not transposed and not interleaved and i % 128:
         return None  # [E, H, 2I] with a half width off the lane grid cannot be split in two blocks
     chunks = [group_chunk_rows(m, groups)]
-    if spec.mxu_dim >= 256 and -(-m // (groups or 1)) > LONG_CHUNK_ROWS.get(spec.name, m):
+    quantized = w_dtype is not None and jnp.dtype(w_dtype) != jnp.dtype(in_dtype)
+    if spec.mxu_dim >= 256 and not quantized and -(-m // (groups or 1)) > LONG_CHUNK_ROWS.get(spec.name, m):
         chunks.insert(0, 256)  # the shorter chunk stays as the fallback when the longer one's temporaries do not fit
     budget = int(spec.vmem_bytes * 0.6)  # measured: Gemma-4 26B-A4B experts compile on TPU7x at this budget
     wb = jnp.dtype(w_dtype or in_dtype).itemsize
@@ -1100,7 +1102,7 @@ def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True
         chunk = min(tm, chunk)
         need = lambda tm: moe_vmem_bytes(tm, chunk, h, i, jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize, wb)  # noqa: E731
         while tm > chunk and need(tm) > budget:
-            tm //= 2
+            tm = max(chunk, _round_up(tm // 2, sub))
         if need(tm) <= budget:
             return tm, chunk
     return None
@@ -1213,12 +1215,14 @@ def _decode_moe_kernel(expert, fetch, keys_ref, weights_ref, tokens_ref, x_ref, 
         gate = lax.dot_general(x, g_ref[...], dims, preferred_element_type=jnp.float32)
         up = lax.dot_general(x, u_ref[...], dims, preferred_element_type=jnp.float32)
         h = _activate(gate, up, activation, alpha, limit).astype(d_ref.dtype)
-        y = lax.dot_general(h, d_ref[...], ddims, preferred_element_type=jnp.float32).astype(out_ref.dtype)
-        # each token's routing weight for this expert (0 for tokens not routed to it), from [1, pairs] vectors
+        y = lax.dot_general(h, d_ref[...], ddims, preferred_element_type=jnp.float32).astype(x.dtype)
+        # each token's routing weight for this expert, from [1, pairs] vectors; tokens not routed to it add
+        # exact zeros (not 0 * y: their rows went through the MLP too, and y may not be finite)
         token = lax.broadcasted_iota(jnp.int32, (x.shape[0], keys_ref.shape[1]), 0)
         mine = (keys_ref[...] == e) & (tokens_ref[...] == token)
         w = jnp.sum(jnp.where(mine, weights_ref[...], 0.0), axis=1, keepdims=True)
-        acc_ref[...] += (y.astype(prod_dtype) * w.astype(prod_dtype)).astype(jnp.float32)
+        routed = jnp.max(mine.astype(jnp.int32), axis=1, keepdims=True) > 0
+        acc_ref[...] += jnp.where(routed, (y.astype(prod_dtype) * w.astype(prod_dtype)).astype(jnp.float32), 0.0)
 
     @pl.when(s == pl.num_programs(0) - 1)
     def _out():
@@ -1233,8 +1237,8 @@ def decode_moe(x, gate_up, down, top_k_index, top_k_weights, *, transposed=True,
     x [T, H] in the weights' dtype; gate_up / down as ``fused_moe`` (no bias, not interleaved, not
     quantized); top_k_index / top_k_weights [T, k], ids outside [0, g) route nowhere. Returns
     sum_k w[t, k] * mlp_{ids[t, k]}(x[t]) [T, H] in ``out_dtype`` (default x's): each expert's output
-    is rounded to x's dtype and weighted in its promotion with the weights' dtype (as the experts op),
-    summed in f32.
+    is rounded to x's dtype and weighted in its promotion with the routing weights' dtype (as the experts
+    op), summed in f32. A token routed twice to one expert takes one product, with its two weights summed.
 
     One sort orders the (token, k) pairs by expert; the grid has one step per routed pair, and the
     sorted ids, scalar-prefetched, pick each step's weight blocks, so every routed expert's weights
