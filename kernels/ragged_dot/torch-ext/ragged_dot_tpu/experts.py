@@ -14,7 +14,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import torch
-from jax import lax
 
 from . import pallas
 from ._bridge import check_array, dtype_name, jax_op
@@ -192,12 +191,10 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
         return pallas.decode_moe(hidden_states.astype(wdt), gate_up_proj, down, top_k_index, top_k_weights,
                                  transposed=transposed, down_transposed=down_t, activation=activation, alpha=alpha,
                                  limit=limit, out_dtype=hidden_states.dtype)
-    ids = top_k_index.reshape(-1).astype(jnp.int32)
-    key = jnp.where((ids >= 0) & (ids < e), ids, e)  # sentinels (and padding) sort past every group
     # one sort gives the (token, k) rows in expert order and each sorted row's expert: the kernels take
     # their work items from the latter (pallas.run_metadata), no group sizes needed
-    row_groups, order = lax.sort((key, jnp.arange(key.shape[0], dtype=jnp.int32)), num_keys=1, is_stable=True)
-    x = hidden_states.astype(wdt)[lax.div(order.astype(jnp.uint32), jnp.uint32(k))]  # unsigned: no sign fix-up
+    row_groups, order, tokens = pallas.sort_by_expert(top_k_index, e)
+    x = hidden_states.astype(wdt)[tokens]
     if quantized and pallas.is_mxfp4(gate_up_proj) and not is_transposed:  # the kernel reads [E, in/2, out]
         gate_up_proj, down_proj, gate_up_scale, down_scale = (
             jnp.swapaxes(a, 1, 2) for a in (gate_up_proj, down_proj, gate_up_scale, down_scale))
@@ -205,7 +202,7 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
     if implementation == "tokamax":
         from . import tokamax_anchor
 
-        group_sizes = jnp.bincount(key, length=e + 1)[:e].astype(jnp.int32)
+        group_sizes = jnp.bincount(row_groups, length=e + 1)[:e].astype(jnp.int32)
 
         hh = tokamax_anchor.ragged_dot(x, gate_up_proj, group_sizes, rhs_transposed=transposed, out_dtype=jnp.float32)
         gate, up = jnp.split(hh, 2, axis=1)

@@ -74,6 +74,17 @@ def _vmem_budget(chip: Chip) -> int:
     return int(chip.vmem_bytes * 0.45)
 
 
+def _vmem_limit(need: int, chip: str | None) -> int:
+    """A kernel's VMEM limit for an estimate of ``need`` bytes: a quarter more plus 4 MiB for Mosaic's own
+    scratch, at least XLA's default 32 MiB, at most 90% of the chip's VMEM."""
+    return int(min(max(need * 1.25 + 4 * MiB, 32 * MiB), _chip(chip).vmem_bytes * 0.9))
+
+
+def _dims(rhs_transposed: bool):
+    """dot_general dimensions of x [m, k] with a weight [k, n], or [n, k] when ``rhs_transposed``."""
+    return (((1,), (1,)), ((), ())) if rhs_transposed else (((1,), (0,)), ((), ()))
+
+
 def _sublanes(dtype) -> int:
     return 8 * 4 // jnp.dtype(dtype).itemsize  # 8 rows for 32-bit, 16 for bf16
 
@@ -276,6 +287,18 @@ def run_metadata(row_groups: jax.Array, tm: int, num_groups: int):
     src = jnp.maximum(jnp.minimum(n + 1, with_data) - 1, 0)
     fetch_group = jnp.where(item_group[src] < g, item_group[src], 0)  # no group anywhere: any valid block
     return bounds, item_group, item_tile, fetch_group, item_tile[src], num_items
+
+
+def sort_by_expert(top_k_index: jax.Array, num_experts: int):
+    """The routing sort of a MoE layer: the (token, k) pairs of ``top_k_index`` [T, k] in expert order.
+    Returns (keys, order, tokens) [T * k]: each sorted pair's expert (``num_experts`` for ids outside
+    [0, num_experts): sentinels and padding, sorted last), its index in ``top_k_index.reshape(-1)`` and
+    its token."""
+    ids = top_k_index.reshape(-1).astype(jnp.int32)
+    key = jnp.where((ids >= 0) & (ids < num_experts), ids, num_experts)
+    keys, order = lax.sort((key, jnp.arange(key.shape[0], dtype=jnp.int32)), num_keys=1, is_stable=True)
+    k = jnp.uint32(max(top_k_index.shape[1], 1))
+    return keys, order, lax.div(order.astype(jnp.uint32), k).astype(jnp.int32)  # unsigned: no sign fix-up
 
 
 # --------------------------------------------------------------------------- epilogues
@@ -628,7 +651,7 @@ def _gmm_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs,
     @pl.when(grp < num_groups)
     def _compute():
         start, end = bounds[i], bounds[i + 1]
-        dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
+        dims = _dims(transposed)
 
         def epilogue(rows, n_rows):  # the output rows ``rows`` of the tile, f32
             if mxfp4 and in_dots:
@@ -800,7 +823,7 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
     if vmem_limit_bytes is None:
         need = gmm_vmem_bytes(tm, tn, k, inb, outb, 2 if gated else 1, quantized=quant is not None, chunk=chunk) + (
             4 * tm * wn * 4 if interleaved else 0) + (2 * operands[-1].size * 4 if quant and quant.kind == "channel" else 0)
-        vmem_limit_bytes = int(min(max(need * 1.25 + 4 * MiB, 32 * MiB), _chip(chip).vmem_bytes * 0.9))
+        vmem_limit_bytes = _vmem_limit(need, chip)
     kernel = functools.partial(_gmm_kernel, tm=tm, tn=tn, chunk=chunk, num_groups=g, transposed=transposed, activation=activation,
                                interleaved=interleaved, alpha=float(alpha), limit=float(limit),
                                has_bias=bias is not None, quant=quant)
@@ -857,7 +880,6 @@ def tgmm(x, y, group_sizes, *, out_dtype=None, tm: int | None = None, tk: int | 
         ctm, ctk, ctn = choose_tgmm_tiling(m, kx, ny, in_dtype=x.dtype, out_dtype=out_dtype, chip=chip)
         tm, tk, tn = tm or ctm, tk or ctk, tn or ctn
     offsets, item_group, item_tile, fetch_group, fetch_tile, num_items = group_metadata(group_sizes, m, tm)
-    spec = _chip(chip)
     need = 2 * tm * (tk + tn) * x.dtype.itemsize + 3 * tk * tn * 4 + 2 * tm * (tk + tn) * 4
     return pl.pallas_call(
         functools.partial(_tgmm_kernel, tm=tm),
@@ -870,7 +892,7 @@ def tgmm(x, y, group_sizes, *, out_dtype=None, tm: int | None = None, tk: int | 
             scratch_shapes=[pltpu.VMEM((tk, tn), jnp.float32)]),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "arbitrary"),
-            vmem_limit_bytes=int(min(max(need * 1.25 + 4 * MiB, 32 * MiB), spec.vmem_bytes * 0.9))),
+            vmem_limit_bytes=_vmem_limit(need, chip)),
         name="ragged_dot_tgmm",
     )(offsets, item_group, item_tile, fetch_group, fetch_tile, x, y)
 
@@ -1017,8 +1039,8 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, x_ref, *
             col_scales = [lambda: row(gs_ref, 0, half), lambda: row(gs_ref, half, half)]
             d_scale = lambda: row(ds_ref, 0, ds_ref.shape[1])  # noqa: E731
     first = jnp.logical_or(i == 0, item_tile[jnp.maximum(i - 1, 0)] != tile)
-    dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
-    ddims = (((1,), (1,)), ((), ())) if down_transposed else (((1,), (0,)), ((), ()))
+    dims = _dims(transposed)
+    ddims = _dims(down_transposed)
 
     @pl.when(first)
     def _zero():  # the tile's rows no group of its items writes stay zero
@@ -1183,7 +1205,7 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
             scratch_shapes=scratch),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),
-            vmem_limit_bytes=int(min(max(need * 1.25 + 4 * MiB, 32 * MiB), _chip(chip).vmem_bytes * 0.9))),
+            vmem_limit_bytes=_vmem_limit(need, chip)),
         cost_estimate=pl.CostEstimate(flops=2 * m * h * 3 * i, transcendentals=m * i,
                                       bytes_accessed=g * 3 * h * i * gate_up.dtype.itemsize + m * h * (x.dtype.itemsize + out_dtype.itemsize)),
         name="ragged_dot_fused_moe",
@@ -1210,8 +1232,8 @@ def _decode_moe_kernel(expert, fetch, keys_ref, weights_ref, tokens_ref, x_ref, 
     @pl.when((e < num_groups) & ((s == 0) | (expert[jnp.maximum(s - 1, 0)] != e)))
     def _expert():
         x = x_ref[...]  # all T rows: as cheap on the MXU as the expert's own, and no dynamic row offsets
-        dims = (((1,), (1,)), ((), ())) if transposed else (((1,), (0,)), ((), ()))
-        ddims = (((1,), (1,)), ((), ())) if down_transposed else (((1,), (0,)), ((), ()))
+        dims = _dims(transposed)
+        ddims = _dims(down_transposed)
         gate = lax.dot_general(x, g_ref[...], dims, preferred_element_type=jnp.float32)
         up = lax.dot_general(x, u_ref[...], dims, preferred_element_type=jnp.float32)
         h = _activate(gate, up, activation, alpha, limit).astype(d_ref.dtype)
@@ -1252,13 +1274,10 @@ def decode_moe(x, gate_up, down, top_k_index, top_k_weights, *, transposed=True,
     i = (gate_up.shape[1] if transposed else gate_up.shape[2]) // 2
     m = t * k
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    ids = top_k_index.reshape(-1).astype(jnp.int32)
-    key = jnp.where((ids >= 0) & (ids < g), ids, g)  # no group: sorts after every expert
-    keys, order = lax.sort((key, jnp.arange(m, dtype=jnp.int32)), num_keys=1)
-    routed = jnp.sum(key < g, dtype=jnp.int32)
+    keys, order, tokens = sort_by_expert(top_k_index, g)
+    routed = jnp.sum(keys < g, dtype=jnp.int32)
     # weight blocks per step: pairs routed nowhere keep the last routed expert's (no fetch)
     fetch = jnp.minimum(keys, keys[jnp.maximum(routed - 1, 0)]) % g
-    tokens = lax.div(order.astype(jnp.uint32), jnp.uint32(k)).astype(jnp.int32)
     # the routing weights reach the kernel as a VMEM vector: data-dependent scalar operands would need SMEM
     weights = top_k_weights.reshape(-1).astype(jnp.float32)[order]
     blk = (None, i, h) if transposed else (None, h, i)
@@ -1280,7 +1299,7 @@ def decode_moe(x, gate_up, down, top_k_index, top_k_weights, *, transposed=True,
             scratch_shapes=[pltpu.VMEM((t, h), jnp.float32)]),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),
-            vmem_limit_bytes=int(min(max(need * 1.25 + 4 * MiB, 32 * MiB), _chip(chip).vmem_bytes * 0.9))),
+            vmem_limit_bytes=_vmem_limit(need, chip)),
         cost_estimate=pl.CostEstimate(flops=2 * m * h * 3 * i, transcendentals=m * i,
                                       bytes_accessed=min(m, g) * 3 * h * i * gate_up.dtype.itemsize
                                       + t * h * (x.dtype.itemsize + out_dtype.itemsize)),
