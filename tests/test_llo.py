@@ -84,6 +84,9 @@ ENTRY %main (cache: bf16[64,128], upd: bf16[4,128], idx: s32[4], x: bf16[4096,12
   %copy-start = (bf16[4,128]{1,0:S(1)}, bf16[4,128]{1,0}, u32[]) copy-start(%upd)
   %copy-done = bf16[4,128]{1,0:S(1)} copy-done(%copy-start)
   %gather_fusion = bf16[8,128]{1,0} fusion(%x, %ids), kind=kCustom, calls=%fused_computation.2
+  %offload = ((), (), (s32[16]{0})) custom-call-start(), async_execution_thread="sparsecore"
+  %offload.update = ((bf16[4096,128]{1,0}, s32[8]{0}), bf16[8,128]{1,0}, (s32[16]{0})) custom-call-update(%offload, %x, %ids)
+  %offload.done = bf16[8,128]{1,0} custom-call-done(%offload.update)
   %k.1 = bf16[8,128]{1,0:S(1)} custom-call(%gather_fusion, %copy-done), custom_call_target="tpu_custom_call", backend_config={"custom_call_config":
 "xprof_metadata":"{}"
 }}, metadata={op_name="k"}
@@ -100,6 +103,9 @@ def test_entry_ops_bytes_in_place_partial_reads_vmem_and_multiline_instructions(
     assert ops["copy-start"]["hbm_bytes"] == 4 * 128 * 2  # into VMEM (S(1)): only the HBM side counts
     assert ops["copy-done"]["hbm_bytes"] == 0
     assert ops["gather_fusion"]["hbm_bytes"] == 2 * 8 * 128 * 2 + 8 * 4  # the rows gathered, not the table
+    # an offloaded gather's update: the result, not the operands its tuple repeats, plus what it reads
+    assert ops["offload.update"]["hbm_bytes"] == 8 * 128 * 2 + 16 * 4 + 4096 * 128 * 2 + 8 * 4
+    assert ops["offload.done"]["hbm_bytes"] == 0
     assert ops["k.1"]["kernel"]  # an instruction spanning lines (backend config with newlines)
     assert ops["add.3"]["hbm_bytes"] == 2 * 8 * 128 * 2  # the kernel's output sits in VMEM
 

@@ -121,11 +121,12 @@ def _tuple_elements(type_text: str) -> list[str]:
 
 
 def _output_type(opcode: str, type_text: str) -> str:
-    """The buffer an op writes: an async start's tuple also holds its operands (copy-start: (dst, src,
-    context); call-start: ((operands), result, ...)), which are not written."""
+    """The buffer an op writes: an async start's or update's tuple also holds its operands (copy-start:
+    (dst, src, context); call-start and custom-call-update, e.g. XLA:TPU's SparseCore gather offload:
+    ((operands), result, ...)), which are not written."""
     if opcode == "copy-start":
         return _tuple_elements(type_text)[0]
-    if opcode.endswith("-start"):
+    if opcode.endswith("-start") or opcode.endswith("-update"):
         parts = _tuple_elements(type_text)
         return parts[1] if len(parts) > 1 else parts[0]
     return type_text
