@@ -79,7 +79,8 @@ def configs(kernel):
         tb = X.bucket(t)
         out.append(Config(f"qwen3-30b-a3b fp8 experts T={t} (bucket {tb})", quantized,
                           _quantized_specs(tb, h, e, k, i, jnp.float8_e4m3fn)))
-    out.append(Config("qwen3-30b-a3b int8 experts T=64", quantized, _quantized_specs(64, h, e, k, i, jnp.int8)))
+    for t in (1, 64):  # 1: the decode kernel, dequantizing each routed expert into VMEM
+        out.append(Config(f"qwen3-30b-a3b int8 experts T={t}", quantized, _quantized_specs(X.bucket(t), h, e, k, i, jnp.int8)))
     # DeepSeek-V3: 256 experts of H=7168, I=2048 do not fit VMEM whole: two grouped matmuls, fp8 weights
     out.append(Config("deepseek-v3 fp8 experts T=64", quantized, _quantized_specs(64, 7168, 256, 8, 2048, jnp.float8_e4m3fn)))
     # GPT-OSS-20B's MXFP4 experts as from_pretrained_mxfp4 stores them (mxfp4_kernel_layout): blocks

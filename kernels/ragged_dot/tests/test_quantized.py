@@ -95,15 +95,18 @@ CASES = [  # kind, E, H, I, tokens, compute dtype
 ]
 
 
-@pytest.mark.parametrize("path", ["fused-in-dots", "fused-scratch", "gmm", "gmm-row-chunks"])
+@pytest.mark.parametrize("path", ["fused-in-dots", "fused-scratch", "gmm", "gmm-row-chunks", "decode"])
 @pytest.mark.parametrize("kind,e,h,i,t,dtype", CASES)
 def test_quantized_experts_match_dequantized_reference(load_kernel, kind, e, h, i, t, dtype, path, monkeypatch):
-    """Both ways the fused kernel converts (inside each chunk's dots, or once per expert into scratch) and the
-    two-kernel path."""
+    """Both ways the fused kernel converts (inside each chunk's dots, or once per expert into scratch), the
+    two-kernel path and the decode kernel (every case's tokens through it)."""
     k = load_kernel("ragged_dot")
-    in_dots = []
+    in_dots, decoded = [], []
     real = k.pallas.dequantize_in_dots
     monkeypatch.setattr(k.pallas, "dequantize_in_dots", lambda *a: in_dots.append(path == "fused-in-dots") or in_dots[-1])
+    monkeypatch.setattr(k.pallas, "DECODE_TOKENS", t if path == "decode" else 0)
+    decode = k.pallas.decode_moe
+    monkeypatch.setattr(k.pallas, "decode_moe", lambda *a, **kw: decoded.append(t) or decode(*a, **kw))
     (gu, dn, gus, dns), (gate, up, down) = make_experts(kind, e, h, i)
     idx, w = routing(t, e, 2, empty={1})
     x = np.random.default_rng(2).standard_normal((t, h)).astype(np.float32)
@@ -114,7 +117,9 @@ def test_quantized_experts_match_dequantized_reference(load_kernel, kind, e, h, 
         out = k.experts.experts(jnp.asarray(x, dtype), jnp.asarray(idx), jnp.asarray(w, dtype), gu, dn,
                                 gate_up_scale=gus, down_scale=dns)
     assert out.dtype == jnp.dtype(dtype) and out.shape == (t, h)
-    assert in_dots == ([] if path.startswith("gmm") else [path == "fused-in-dots"])  # the path asked for ran
+    # the path asked for ran
+    assert in_dots == ([] if path.startswith("gmm") or path == "decode" else [path == "fused-in-dots"])
+    assert decoded == ([t] if path == "decode" else [])
     assert calls == [16, 16]  # (gmm-row-chunks) both projections ran the chunk loop
     assert path.startswith("gmm") or real(2 * t, e, 32, gu.dtype, None)  # decode-sized: the default converts in the dots
     ref = reference(x, idx, np.asarray(jnp.asarray(w, dtype).astype(jnp.float32)), gate, up, down, dtype)
@@ -158,16 +163,17 @@ def test_gmm_quantized_n_tiles_and_overhang(load_kernel, kind):
 @pytest.mark.strict_interpret
 def test_strict_interpreter_quantized_fused_and_gmm(load_kernel, monkeypatch):
     """The strict TPU interpreter (out-of-bounds reads raise, uninitialised memory is NaN, races
-    detected) on the quantized paths (fused, converting in the dots or into scratch; gmm), fp8 off the
-    block grid, an expert with no tokens."""
+    detected) on the quantized paths (fused, converting in the dots or into scratch; decode; gmm), fp8 off
+    the block grid, an expert with no tokens."""
     k = load_kernel("ragged_dot")
     e, h, i, t = 3, 136, 96, 9
     (gu, dn, gus, dns), (gate, up, down) = make_experts("fp8", e, h, i, seed=4)
     idx, w = routing(t, e, 2, empty={2}, seed=5)
     x = np.random.default_rng(6).standard_normal((t, h)).astype(np.float32)
     ref = reference(x, idx, w, gate, up, down, "float32")
-    for fused, in_dots in ((True, True), (True, False), (False, None)):
+    for fused, in_dots, decode in ((True, True, 0), (True, False, 0), (True, None, t), (False, None, 0)):
         monkeypatch.setattr(k.pallas, "dequantize_in_dots", lambda *a, v=in_dots: v)
+        monkeypatch.setattr(k.pallas, "DECODE_TOKENS", decode)  # t: the decode kernel
         if not fused:
             monkeypatch.setattr(k.pallas, "fused_moe_tiling", lambda *a, **kw: None)
         with interpret("strict"):

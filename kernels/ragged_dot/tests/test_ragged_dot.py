@@ -439,6 +439,10 @@ def _mlp_reference(x, gu, dn, sizes):
     ("fast", 128, True, 64, 32, [17, 43, 0, 3, 2, 30]),
     # prefill-sized groups in 256-row chunks of 512-row tiles (LONG_CHUNK_ROWS), a partial last tile
     ("fast", 128, True, 512, 256, [300, 0, 17, 260, 100]),
+    # long layers' 1024-row tiles (LONG_TILE_ROWS): a group crossing the tile boundary at row 1024
+    ("fast", 128, True, 1024, 256, [700, 0, 500, 13, 90]),
+    # chunks fitted to the groups (FITTED_CHUNK_ROWS): 160 rows, not a power of two; groups of 130-150 rows
+    ("fast", 128, True, 512, 160, [130, 0, 150, 141, 3, 136]),
     pytest.param("strict", 128, True, 32, 16, [5, 0, 40, 0, 3, 9], marks=pytest.mark.strict_interpret),
     pytest.param("strict", 128, True, 64, 32, [17, 43, 0, 3, 2, 30], marks=pytest.mark.strict_interpret)])
 def test_fused_moe_matches_reference(load_kernel, mode, i, down_t, tm, chunk, sizes):
@@ -460,17 +464,33 @@ def test_fused_moe_matches_reference(load_kernel, mode, i, down_t, tm, chunk, si
 
 def test_fused_moe_takes_long_chunks_where_they_measured_faster(load_kernel):
     """256-row chunks for experts averaging more than LONG_CHUNK_ROWS rows on 256-wide MXUs (Qwen3-30B-A3B's
-    shapes: 8192 and 2048 tokens x top-8 over 128 experts), 128 on v5e; when 256 rows of temporaries do not
-    fit TPU7x's VMEM, 128 rows and still the one fused kernel."""
+    shapes: 8192 and 2048 tokens x top-8 over 128 experts), 128 on v5e, chunks fitted to the average group up
+    to FITTED_CHUNK_ROWS; when 256 rows of temporaries do not fit TPU7x's VMEM, 128 rows and still the one
+    fused kernel."""
     P = load_kernel("ragged_dot").pallas
 
     def chunk(m, chip, h=2048, i=768):
         return P.fused_moe_tiling(m, h, i, in_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, chip=chip, groups=128)[1]
 
-    assert (chunk(65536, "v6e"), chunk(16384, "v6e"), chunk(16384, "tpu7x"), chunk(65536, "v5e")) == (256, 128, 256, 128)
+    assert (chunk(65536, "v6e"), chunk(65536, "tpu7x"), chunk(65536, "v5e")) == (256, 256, 128)
     assert chunk(4096, "tpu7x") == 64  # decode-sized groups (32 rows an expert) keep the short chunks
+    # up to FITTED_CHUNK_ROWS rows an expert: an average group and two native tiles (128 + 32 rows)
+    assert (chunk(16384, "v5e"), chunk(16384, "v6e"), chunk(16384, "tpu7x")) == (160, 160, 160)
+    assert chunk(128 * (P.FITTED_CHUNK_ROWS + 1), "v6e") == 256
     assert P.fused_moe_tiling(65536, 4096, 512, in_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, chip="tpu7x",
                               groups=128) == (256, 128)
+
+
+def test_fused_moe_takes_long_tiles_for_long_layers(load_kernel):
+    """1024-row tiles above LONG_TILE_ROWS rows where VMEM holds them (Qwen3-30B-A3B on v5e and v6e), halved
+    back to 512 where it does not (TPU7x); shorter layers keep 512-row tiles."""
+    P = load_kernel("ragged_dot").pallas
+
+    def tm(m, chip, h=2048, i=768):
+        return P.fused_moe_tiling(m, h, i, in_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, chip=chip, groups=128)[0]
+
+    assert (tm(65536, "v5e"), tm(65536, "v6e"), tm(65536, "tpu7x")) == (1024, 1024, 512)
+    assert (tm(P.LONG_TILE_ROWS, "v6e"), tm(2048, "v6e"), tm(100, "v6e")) == (512, 512, 112)
 
 
 # --------------------------------------------------------------------------- decode experts
@@ -602,8 +622,9 @@ def _launched(fn, *args):
 
 @pytest.mark.parametrize("variant", ["biases", "down-bias", "int8", "interleaved", "tokamax"])
 def test_experts_op_keeps_what_the_decode_kernel_lacks_on_the_other_kernels(load_kernel, variant):
-    """At 8 tokens, experts with biases, int8 weights, GPT-OSS's interleaved layout or the tokamax
-    implementation are not sent to the decode kernel (it has none of them)."""
+    """At 8 tokens, experts with biases, GPT-OSS's interleaved layout or the tokamax implementation are not
+    sent to the decode kernel (it has none of them); quantized (int8) experts are (test_quantized.py checks
+    its numerics)."""
     X = load_kernel("ragged_dot").experts
     t, k, e, h, i = 8, 2, 4, 128, 128
     args = [jnp.ones((t, h)), jnp.zeros((t, k), jnp.int32), jnp.ones((t, k)), jnp.ones((e, 2 * i, h)), jnp.ones((e, h, i))]
@@ -619,7 +640,7 @@ def test_experts_op_keeps_what_the_decode_kernel_lacks_on_the_other_kernels(load
     else:
         kw = dict(implementation="tokamax")
     launched = _launched(functools.partial(X.experts, **kw), *args)
-    assert launched and "ragged_dot_decode_moe" not in launched, launched
+    assert launched and ("ragged_dot_decode_moe" in launched) == (variant == "int8"), launched
 
 
 @pytest.mark.parametrize("t,kernel", [(8, "ragged_dot_decode_moe"), (9, "ragged_dot_fused_moe")])

@@ -14,6 +14,7 @@ SUBSET = {  # config name -> chips
     "gpt-oss-20b experts T=64": ("tpu7x",),
     "qwen3-30b-a3b experts EP=8 T=64": ("v6e",),
     "qwen3-30b-a3b fp8 experts T=64 (bucket 64)": ("tpu7x",),
+    "qwen3-30b-a3b fp8 experts T=1 (bucket 8)": ("v5e",),
     "deepseek-v3 fp8 experts T=64": ("v6e",),
     "forced tile_n=4096 at k=16384 (VMEM overflow)": ("v6e",),
 }

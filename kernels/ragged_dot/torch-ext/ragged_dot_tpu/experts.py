@@ -186,11 +186,12 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
         # {1,2,0}, i.e. physically [E, I, H]: take that view (a layout bitcast, no copy) rather
         # than have XLA relayout the whole weight for the kernel (Gemma-4: I = 704).
         down, down_t = jnp.swapaxes(down_proj, 1, 2), False
-    if fused and t <= pallas.DECODE_TOKENS and not quantized and gate_up_bias is None and down_bias is None:
+    if fused and t <= pallas.DECODE_TOKENS and gate_up_bias is None and down_bias is None:
         # decode: routing, weighting and the top-k sum inside the kernel too (no gathers or unsort around it)
         return pallas.decode_moe(hidden_states.astype(wdt), gate_up_proj, down, top_k_index, top_k_weights,
                                  transposed=transposed, down_transposed=down_t, activation=activation, alpha=alpha,
-                                 limit=limit, out_dtype=hidden_states.dtype)
+                                 limit=limit, out_dtype=hidden_states.dtype, gate_up_scale=gate_up_scale,
+                                 down_scale=down_scale)
     # one sort gives the (token, k) rows in expert order and each sorted row's expert: the kernels take
     # their work items from the latter (pallas.run_metadata), no group sizes needed
     row_groups, order, tokens = pallas.sort_by_expert(top_k_index, e)

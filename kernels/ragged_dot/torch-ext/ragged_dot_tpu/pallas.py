@@ -1101,6 +1101,19 @@ def dequantize_in_dots(m: int, groups: int, chunk: int, w_dtype, chip: str | Non
 # 1149 -> 892; 2048 tokens (128 rows) v6e 823 -> 844, TPU7x 471 -> 402; v5e (128-wide MXU) slower at both.
 # Quantized experts (unmeasured at these sizes) keep 128.
 LONG_CHUNK_ROWS = {"v6e": 192, "tpu7x": 96}
+# Rows per tile of the fused MLP: a group split between two tiles takes chunk passes in each, so longer
+# tiles split fewer groups, but expose a longer first fetch and last write-back; VMEM may halve them.
+# Measured as above (layer us, 512 -> 1024-row tiles): Qwen3-30B-A3B at 8192 tokens v5e 6551 -> 6351, v6e
+# 2209 -> 2115 (TPU7x: halved back to 512); at 2048 tokens v5e 2069 -> 2038; at 256 tokens (2048 rows)
+# TPU7x 374.2 -> 377.6, so short layers keep 512.
+LONG_TILE_ROWS = 4096
+# Up to this many rows an expert (on average), the fused MLP's chunk holds an average group and two native
+# tiles more (its start is rounded down to one, the group runs over the average): most groups then take one
+# chunk, not a full one and a few rows in a second (128-row chunks at Qwen3's 2048 tokens, 128 rows an
+# expert: 229 chunk passes for 128 groups; 160-row chunks: 145). Measured as above (layer us, 2048 tokens):
+# Qwen3 v5e 2038 -> 1963, Gemma-4 v5e 2886 -> 2693, TPU7x 799 -> 759; v6e unchanged (its kernel waits on
+# the weights' DMA there). Larger groups (8192 tokens) measured slower in one chunk (Qwen3 v5e 6351 -> 7484).
+FITTED_CHUNK_ROWS = 192
 
 
 def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True, interleaved=False,
@@ -1108,19 +1121,23 @@ def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True
     """(tm, chunk) for the fused expert MLP, or None when it does not fit (then use two gmm calls):
     each expert's gate, up and down slabs must sit in VMEM whole, double-buffered (``w_dtype``:
     quantized weights, also held dequantized); ``groups``: the number of experts (``group_chunk_rows``,
-    ``LONG_CHUNK_ROWS``)."""
+    ``LONG_CHUNK_ROWS``, ``FITTED_CHUNK_ROWS``: chunks tried in turn until one fits). Tiles of 512 rows,
+    1024 above ``LONG_TILE_ROWS``, halved until they fit."""
     spec = _chip(chip)
     sub = _sublanes(in_dtype)
     if not transposed and not interleaved and i % 128:
         return None  # [E, H, 2I] with a half width off the lane grid cannot be split in two blocks
     chunks = [group_chunk_rows(m, groups)]
     quantized = w_dtype is not None and jnp.dtype(w_dtype) != jnp.dtype(in_dtype)
-    if spec.mxu_dim >= 256 and not quantized and -(-m // (groups or 1)) > LONG_CHUNK_ROWS.get(spec.name, m):
+    avg = -(-m // (groups or 1))
+    if spec.mxu_dim >= 256 and not quantized and avg > LONG_CHUNK_ROWS.get(spec.name, m):
         chunks.insert(0, 256)  # the shorter chunk stays as the fallback when the longer one's temporaries do not fit
+    if not quantized and 48 < avg <= FITTED_CHUNK_ROWS:
+        chunks.insert(0, _round_up(avg + 2 * sub, sub))
     budget = int(spec.vmem_bytes * 0.6)  # measured: Gemma-4 26B-A4B experts compile on TPU7x at this budget
     wb = jnp.dtype(w_dtype or in_dtype).itemsize
     for chunk in chunks:
-        tm = min(512, _round_up(max(m, 1), sub))
+        tm = min(1024 if m > LONG_TILE_ROWS else 512, _round_up(max(m, 1), sub))
         chunk = min(tm, chunk)
         need = lambda tm: moe_vmem_bytes(tm, chunk, h, i, jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize, wb)  # noqa: E731
         while tm > chunk and need(tm) > budget:
@@ -1217,11 +1234,25 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
 DECODE_TOKENS = 8  # decode_moe runs every token through each routed expert: at most one f32 sublane tile of rows
 
 
-def _decode_moe_kernel(expert, fetch, keys_ref, weights_ref, tokens_ref, x_ref, g_ref, u_ref, d_ref, out_ref, acc_ref,
-                       *, num_groups, transposed, down_transposed, activation, alpha, limit, prod_dtype):
+def _decode_moe_kernel(expert, fetch, keys_ref, weights_ref, tokens_ref, x_ref, g_ref, u_ref, d_ref, *refs,
+                       num_groups, transposed, down_transposed, activation, alpha, limit, prod_dtype, quant):
     del fetch
     s = pl.program_id(0)
     e = expert[s]
+    out_ref, acc_ref = refs[-2:] if quant is None else refs[2:4]
+    weights = [lambda r=r: r[...] for r in (g_ref, u_ref, d_ref)]  # noqa: E731
+    scales = [None, None, None]  # per-channel scales of the f32 outputs: gate, up, down
+    if quant is not None:  # dequantized into VMEM scratch once per expert (each is computed once)
+        channel, up_start, e4m3, _ = quant
+        gs_ref, ds_ref, deq = refs[0], refs[1], refs[4:]
+        slabs = [(g_ref, gs_ref, dict(e4m3=e4m3)), (u_ref, gs_ref, dict(block0=up_start[0], row_off=up_start[1],
+                                                                         e4m3=e4m3)), (d_ref, ds_ref, dict(e4m3=e4m3))]
+        weights = [lambda r=r: r[...] for r in deq]  # noqa: E731
+        if channel:
+            half = d_ref.shape[1]
+            row = lambda ref, off, width: ref[pl.ds(e, 1), pl.ds(off, width)]  # noqa: E731
+            scales = [lambda: row(gs_ref, 0, half), lambda: row(gs_ref, half, half),
+                      lambda: row(ds_ref, 0, ds_ref.shape[1])]
 
     @pl.when(s == 0)
     def _zero():
@@ -1231,13 +1262,16 @@ def _decode_moe_kernel(expert, fetch, keys_ref, weights_ref, tokens_ref, x_ref, 
     # empty steps (their weight blocks do not change, so nothing is fetched either)
     @pl.when((e < num_groups) & ((s == 0) | (expert[jnp.maximum(s - 1, 0)] != e)))
     def _expert():
+        if quant is not None:
+            for dst, (w, sc, kw) in zip(deq, slabs):
+                _dequantize(dst, w, None if quant.channel else sc, **kw)
         x = x_ref[...]  # all T rows: as cheap on the MXU as the expert's own, and no dynamic row offsets
-        dims = _dims(transposed)
-        ddims = _dims(down_transposed)
-        gate = lax.dot_general(x, g_ref[...], dims, preferred_element_type=jnp.float32)
-        up = lax.dot_general(x, u_ref[...], dims, preferred_element_type=jnp.float32)
-        h = _activate(gate, up, activation, alpha, limit).astype(d_ref.dtype)
-        y = lax.dot_general(h, d_ref[...], ddims, preferred_element_type=jnp.float32).astype(x.dtype)
+        gate, up = [lax.dot_general(x, w(), _dims(transposed), preferred_element_type=jnp.float32)
+                    for w in weights[:2]]
+        gate, up = [y if sc is None else y * sc() for y, sc in zip((gate, up), scales)]
+        h = _activate(gate, up, activation, alpha, limit).astype(x.dtype)
+        y = lax.dot_general(h, weights[2](), _dims(down_transposed), preferred_element_type=jnp.float32)
+        y = (y if scales[2] is None else y * scales[2]()).astype(x.dtype)
         # each token's routing weight for this expert, from [1, pairs] vectors; tokens not routed to it add
         # exact zeros (not 0 * y: their rows went through the MLP too, and y may not be finite)
         token = lax.broadcasted_iota(jnp.int32, (x.shape[0], keys_ref.shape[1]), 0)
@@ -1252,12 +1286,14 @@ def _decode_moe_kernel(expert, fetch, keys_ref, weights_ref, tokens_ref, x_ref, 
 
 
 def decode_moe(x, gate_up, down, top_k_index, top_k_weights, *, transposed=True, down_transposed=None,
-               activation="silu", alpha=1.702, limit=7.0, out_dtype=None, chip=None):
+               activation="silu", alpha=1.702, limit=7.0, out_dtype=None, chip=None, gate_up_scale=None,
+               down_scale=None):
     """The whole experts layer for a few tokens (T <= ``DECODE_TOKENS``) in one kernel: routing,
     expert MLPs, weighting and the sum over top-k.
 
-    x [T, H] in the weights' dtype; gate_up / down as ``fused_moe`` (no bias, not interleaved, not
-    quantized); top_k_index / top_k_weights [T, k], ids outside [0, g) route nowhere. Returns
+    x [T, H] in the weights' (compute) dtype; gate_up / down as ``fused_moe`` (no bias, not interleaved;
+    quantized with ``gate_up_scale`` / ``down_scale`` as there, dequantized into VMEM once per routed expert);
+    top_k_index / top_k_weights [T, k], ids outside [0, g) route nowhere. Returns
     sum_k w[t, k] * mlp_{ids[t, k]}(x[t]) [T, H] in ``out_dtype`` (default x's): each expert's output
     is rounded to x's dtype and weighted in its promotion with the routing weights' dtype (as the experts
     op), summed in f32. A token routed twice to one expert takes one product, with its two weights summed.
@@ -1286,17 +1322,33 @@ def decode_moe(x, gate_up, down, top_k_index, top_k_weights, *, transposed=True,
     in_specs = [whole((1, m))] * 3 + [whole((t, h)), pl.BlockSpec(blk, half(0)), pl.BlockSpec(blk, half(1)),
                                       pl.BlockSpec((None, h, i) if down_transposed else (None, i, h),
                                                    lambda st, ex, fg: (fg[st], 0, 0))]
-    need = moe_vmem_bytes(_round_up(t, 8), _round_up(t, 8), h, i, x.dtype.itemsize, out_dtype.itemsize) + t * h * 4
+    operands = [keys.reshape(1, m), weights.reshape(1, m), tokens.reshape(1, m), x, gate_up, gate_up, down]
+    quant, scratch = None, [pltpu.VMEM((t, h), jnp.float32)]
+    if gate_up_scale is not None:
+        if not (transposed and down_transposed):
+            raise NotImplementedError("quantized weights: only the [g, 2I, H] / [g, H, I] layout")
+        if per_channel(gate_up):  # [g, 2I] and [g, H] whole in VMEM, the expert's row read per step
+            quant = MoeQuant(True, (0, 0), "f32", False)
+            in_specs += [whole(a.shape) for a in (gate_up_scale, down_scale)]
+        else:  # the expert's whole 128x128 block grids
+            quant = MoeQuant(False, gate_up_scale_rows(gate_up_scale.shape[1], i, FP8_BLOCK), e4m3_mode(chip), False)
+            in_specs += [pl.BlockSpec((None,) + a.shape[1:], lambda st, ex, fg: (fg[st], 0, 0))
+                         for a in (gate_up_scale, down_scale)]
+        operands += [gate_up_scale, down_scale]
+        scratch += [pltpu.VMEM((i, h), x.dtype), pltpu.VMEM((i, h), x.dtype), pltpu.VMEM((h, i), x.dtype)]
+    need = moe_vmem_bytes(_round_up(t, 8), _round_up(t, 8), h, i, x.dtype.itemsize, out_dtype.itemsize,
+                          gate_up.dtype.itemsize) + t * h * 4 + (
+        2 * 4 * (gate_up_scale.size + down_scale.size) if quant and quant.channel else 0)
     kernel = functools.partial(_decode_moe_kernel, num_groups=g, transposed=transposed,
                                down_transposed=down_transposed, activation=activation, alpha=float(alpha),
                                limit=float(limit),
-                               prod_dtype=jnp.promote_types(x.dtype, top_k_weights.dtype))
+                               prod_dtype=jnp.promote_types(x.dtype, top_k_weights.dtype), quant=quant)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((t, h), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(jnp.maximum(routed, 1),), in_specs=in_specs, out_specs=whole((t, h)),
-            scratch_shapes=[pltpu.VMEM((t, h), jnp.float32)]),
+            scratch_shapes=scratch),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),
             vmem_limit_bytes=_vmem_limit(need, chip)),
@@ -1304,4 +1356,4 @@ def decode_moe(x, gate_up, down, top_k_index, top_k_weights, *, transposed=True,
                                       bytes_accessed=min(m, g) * 3 * h * i * gate_up.dtype.itemsize
                                       + t * h * (x.dtype.itemsize + out_dtype.itemsize)),
         name="ragged_dot_decode_moe",
-    )(keys, fetch, keys.reshape(1, m), weights.reshape(1, m), tokens.reshape(1, m), x, gate_up, gate_up, down)
+    )(keys, fetch, *operands)
