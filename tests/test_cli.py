@@ -180,3 +180,33 @@ def test_check_names_a_compile_matrix_that_does_not_import(tmp_path, capsys):
     assert cli.main(["check", "--path", str(kernel)]) == 2
     assert capsys.readouterr().err.strip() == (f"pallas-hub: the kernels could not be built and imported for the compile "
                                                f"matrix: {kernel / 'compile_matrix.py'}:3: ImportError: broken on purpose")
+
+
+def test_bench_runs_the_named_problems_and_implementations(monkeypatch, capsys):
+    """`bench --problem NAME --impl TEXT` hands the runner only those rows (a subset run: results/partial/);
+    an unknown problem or a text no implementation name contains is refused, naming what there is."""
+    from types import SimpleNamespace
+
+    from pallas_hub.bench import runner
+
+    impls = [SimpleNamespace(name=n, family="decode") for n in
+             ("ours: paged_attention", "jax paged_attention", "vLLM TPU ragged_paged_attention v3")]
+    monkeypatch.setattr(runner, "implementations", lambda families, paths=(): impls)
+    calls = []
+    monkeypatch.setattr(runner, "run", lambda *a, **kw: calls.append(kw) or {"rows": []})
+    names = ["Qwen3 decode B=8 page 16", "Qwen3 decode B=64 page 128"]
+    args = ["bench", "--families", "decode", "--problem", names[0], "--problem", names[1], "--impl", "ours",
+            "--impl", "vLLM", "--no-bridge", "--no-xla"]
+    assert cli.main(args) == 0
+    (kw,) = calls
+    assert [p.name for p in kw["problem_list"]] == names
+    assert [i.name for i in kw["impl_list"]] == [impls[0].name, impls[2].name]
+    assert cli.main(["bench", "--families", "decode"]) == 0  # no filter: the runner picks (None)
+    assert calls[-1]["problem_list"] is None and calls[-1]["impl_list"] is None
+
+    assert cli.main(["bench", "--families", "decode", "--problem", "Qwen3 decode B=3"]) != 0
+    err = capsys.readouterr().err
+    assert "no problem named 'Qwen3 decode B=3' in decode" in err and names[0] in err
+    assert cli.main(["bench", "--families", "decode", "--impl", "splash"]) != 0
+    assert "no implementation's name contains 'splash'" in capsys.readouterr().err
+    assert len(calls) == 2

@@ -181,8 +181,21 @@ def cmd_bench(args) -> int:
 
     families = tuple(args.families.split(",")) if args.families else runner.FAMILIES
     chips = tuple(args.chips.split(",")) if args.chips else runner.DEFAULT_CHIPS
+    problems = impls = None
+    if args.problem:  # exact names, as the tables print them
+        problems = runner.problems(families=families)
+        unknown = sorted(set(args.problem) - {p.name for p in problems})
+        if unknown:
+            raise UsageError(f"no problem named {', '.join(map(repr, unknown))} in {','.join(families)}; the "
+                             f"problems are: {'; '.join(p.name for p in problems)}")
+        problems = [p for p in problems if p.name in args.problem]
+    if args.impl:  # any implementation whose name contains one of the texts
+        impls = runner.implementations(families, paths=args.path or ())
+        impls = [i for i in impls if any(text in i.name for text in args.impl)]
+        if not impls:
+            raise UsageError(f"no implementation's name contains {' or '.join(map(repr, args.impl))}")
     result = runner.run(families, bridge=not args.no_bridge, xla=not args.no_xla, paths=args.path or (), chips=chips,
-                        workers=args.workers)
+                        workers=args.workers, problem_list=problems, impl_list=impls)
     return 0 if all(r.get("check", {}).get("ok", True) for r in result["rows"] if r["status"] == "ok") else 1
 
 
@@ -253,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-bridge", action="store_true", help="skip the bridge overhead measurement")
     p.add_argument("--no-xla", action="store_true", help="skip the XLA:TPU matmul comparison")
     p.add_argument("--path", action="append", help="one of our kernel folders to bench instead of the manifest's (repeatable)")
+    p.add_argument("--problem", action="append", help="only this problem, by its exact name in the tables (repeatable)")
+    p.add_argument("--impl", action="append", help="only implementations whose name contains this text, e.g. ours "
+                   "or vLLM (repeatable)")
     p.set_defaults(fn=cmd_bench)
     p = command("demo", help="the main job (see README)")
     p.add_argument("--local-hub", type=Path, help="the local hub folder to publish to and fetch from")
