@@ -100,14 +100,16 @@ def test_tiles_shared_by_many_sequences_and_all_padding_tiles(load_kernel):
 
 def test_default_tile_no_larger_than_the_batch(load_kernel):
     # The q and output blocks move whole: a small batch gets a tile its tokens fill (up to the sublane
-    # tile), a long one about 1024 rows; the choice is checked against the kernel in the decode tests.
-    block_q = load_kernel("paged_attention").pallas._default_block_q
+    # tile), a long one TILE_ROWS (2048) rows; the choice is checked against the kernel in the decode tests.
+    pallas = load_kernel("paged_attention").pallas
+    block_q = pallas._default_block_q
     bf16, f32 = jnp.bfloat16, jnp.float32
+    assert pallas.TILE_ROWS == 2048
     assert block_q(8, bf16, 1) == 2 and block_q(8, f32, 1) == 1  # 16 / 8 rows: one sublane tile
-    assert block_q(8, bf16, 64) == 64 and block_q(8, bf16, 5000) == 128
-    assert block_q(1, bf16, 3) == 16 and block_q(5, bf16, 7) == 16 and block_q(5, bf16, 1000) == 208
+    assert block_q(8, bf16, 64) == 64 and block_q(8, bf16, 256) == 256 and block_q(8, bf16, 5000) == 256
+    assert block_q(1, bf16, 3) == 16 and block_q(5, bf16, 7) == 16 and block_q(5, bf16, 1000) == 416
     for group, dtype, t in [(1, f32, 1), (3, bf16, 2), (7, f32, 100), (7, f32, 1000), (16, bf16, 9)]:
-        bq, sub, want = block_q(group, dtype, t), (16 if dtype == bf16 else 8), min(t, 1024 // group)
+        bq, sub, want = block_q(group, dtype, t), (16 if dtype == bf16 else 8), min(t, 2048 // group)
         assert (bq * group) % sub == 0 and want <= bq < want + sub
 
 
@@ -480,6 +482,41 @@ def test_write_kv_copies_runs_of_new_rows(load_kernel, mode, page, dtype):
     pid, off, run = (np.asarray(a) for a in k.pallas.write_slots(lens, table, cu, q.shape[0], kp.shape[0], page))
     assert run[cu[-1]:].tolist() == [0] * 5 and run.max() == page  # padding ends the walk; a whole page is one run
     assert (off + run <= page)[pid >= 0].all()
+
+
+def test_metadata_one_hot_forms_match_search_and_cummax(load_kernel, monkeypatch):
+    """sanitize_cu and write_slots take one-hot / masked forms up to ONE_HOT_LIMIT (one fused XLA op each) and
+    cummax / searchsorted + gathers past it: both give the same answers, bad metadata included (cu_q_lens
+    decreasing, negative, past T; kv_lens too short; page ids out of range)."""
+    pallas = load_kernel("paged_attention").pallas
+    limits = (pallas.ONE_HOT_LIMIT, 0)
+    rng = np.random.default_rng(3)
+    cases = [([1] * 9, [1, 17, 40, 16, 33, 5, 64, 2, 30]), ([40, 1, 0, 32, 3, 1, 21, 0, 7], [45, 9, 4, 32, 17, 20, 48, 2, 7]),
+             ([5], [5]), ([1], [300])]
+    for q_lens, kv_lens in cases:
+        q, kp, _, lens, table, cu, _ = make_case(q_lens, kv_lens, page=16, hq=2, hkv=2, extra_rows=3)
+        t, num_pages = q.shape[0], kp.shape[0]
+        bad_cu = np.array(cu).copy()
+        if len(bad_cu) > 3:
+            bad_cu[2], bad_cu[-1] = bad_cu[1] - 1, t + 9  # decreasing, past T
+        bad_table = np.array(table).copy()
+        bad_table[0, 0], bad_table[-1, -1] = -3, num_pages + 2
+        for cu_, table_, lens_ in ((cu, table, lens), (jnp.asarray(bad_cu), jnp.asarray(bad_table), lens),
+                                   (cu, table, jnp.asarray(np.asarray(lens) - rng.integers(0, 3, len(q_lens))))):
+            want_cu = np.maximum.accumulate(np.clip(np.asarray(cu_), 0, t))
+            for limit in limits:
+                monkeypatch.setattr(pallas, "ONE_HOT_LIMIT", limit)
+                np.testing.assert_array_equal(np.asarray(pallas.sanitize_cu(cu_, t)), want_cu)
+                got = [np.asarray(a) for a in pallas.write_slots(lens_, table_, cu_, t, num_pages, 16, rows=t + 16)]
+                if limit:
+                    one_hot = got
+                else:
+                    for a, b, name in zip(one_hot, got, ("page id", "offset", "run")):
+                        written = one_hot[0] >= 0
+                        np.testing.assert_array_equal(a[written] if name == "offset" else a, b[written] if name == "offset" else b,
+                                                      err_msg=name)
+            if cu_ is cu and lens_ is lens:  # good metadata: every new row is written
+                assert (one_hot[0] >= 0).sum() == int(np.asarray(cu)[-1])
 
 
 @pytest.mark.parametrize("mode", ["fast", pytest.param("strict", marks=pytest.mark.strict_interpret)])

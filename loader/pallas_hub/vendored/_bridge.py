@@ -180,14 +180,18 @@ def _interpret_mode():
     """
     from jax.experimental.pallas import tpu as pltpu
 
+    return contextlib.nullcontext() if interpreting() else pltpu.force_tpu_interpret_mode(True)
+
+
+def interpreting() -> bool:
+    """Whether Pallas TPU calls traced now are interpreted (a mode chosen through JAX's config: tests, the
+    CPU path), so a kernel wrapper can leave out what only the TPU compiler takes (memory-space types)."""
     try:
         from jax._src import config as jax_config
 
-        if jax_config.pallas_tpu_interpret_mode_context_manager.value is not None:
-            return contextlib.nullcontext()
-    except (ImportError, AttributeError):  # a JAX without that config: always force the fast mode
-        pass
-    return pltpu.force_tpu_interpret_mode(True)
+        return jax_config.pallas_tpu_interpret_mode_context_manager.value is not None
+    except (ImportError, AttributeError):  # a JAX without that config: the CPU path forces the fast mode
+        return False
 
 
 def _as_jax_dtype(t: torch.Tensor) -> torch.Tensor:

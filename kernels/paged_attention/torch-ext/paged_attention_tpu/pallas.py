@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _attention_math as am
-from ._bridge import check_array, dtype_name, host_values
+from ._bridge import check_array, dtype_name, host_values, interpreting
 from ._chips import tpu_generation
 
 KV_DTYPES = ("float32", "bfloat16")  # q, sinks, unquantized caches, new K/V
@@ -72,9 +72,15 @@ WRITE_MAX_RUN = 16  # write_kv: rows one run copies at most (one DMA per power o
 # write_kv metadata vectors are padded to whole 16s: XLA then computes a vector in one fused op, where at
 # one token it would compute the scalars op by op.
 WRITE_METADATA_MULTIPLE = 16
+ONE_HOT_LIMIT = 1 << 20  # sanitize_cu, write_slots: the [n, m] one-hot / masked forms up to n x m of this
 # Keys scored at once: a chunk is computed up to its last sub-block holding keys the rows see. 1024 rather
 # than 512 (cost model v2): TPU7x 64 x 8k decode 418 -> 374 us, 64 x 32k 1604 -> 1428; fp8 caches +1-2% on v5e/v6e.
 SUB_BLOCK = 1024
+# Query rows per tile (``_default_block_q``), cost model v2, Qwen3 mixed 60 decode + 4 x 128 prefill page 128 on
+# v5e / v6e / TPU7x (layer us): 1024 rows 674.1 / 383.6 / 272.0, 2048 629.4 / 353.4 / 273.8 (four prefill chunks
+# straddle tiles at 1024, two at 2048: each re-reads its KV); 2048 with the tokens spread evenly over the tiles
+# 649.0 / 367.9 / 265.9 (where the boundaries fall matters more than the padding they save).
+TILE_ROWS = 2048
 # The KV heads' software pipeline in a sub-block (``sub_block``), per chip: how many heads after its scores a
 # head's softmax is issued, and how many after that its P @ V. Chosen with the cost model v2 (Qwen3 layer us,
 # mixed 60 decode + 4 x 128 prefill page 128 on v5e / v6e / TPU7x; decode 64 x 2k page 16 on TPU7x): in
@@ -231,14 +237,13 @@ def quantize(x, scale, dtype):
 # --------------------------------------------------------------------------- work items
 
 def _default_block_q(group: int, dtype, tokens: int) -> int:
-    """Query tokens per tile: about 1024 rows of (token, q head in group), a multiple of the sublane tile,
+    """Query tokens per tile: TILE_ROWS rows of (token, q head in group), a multiple of the sublane tile,
     and no more than the batch's tokens need (the q and output blocks move whole: a 1-token decode in a
-    1024-row tile would move 2 x 1 MiB of padding for Qwen3's 4 x 128 heads). Large tiles let prefill
-    chunks re-read their KV less often; decode items in a tile still compute only their own row blocks
-    (cost model: 64 x 8k decode 0.96 of roofline either way, the mixed batch of costmodel_table.py 0.76
-    with 128-row tiles, 0.90 with 2048)."""
+    2048-row tile would move 2 x 2 MiB of padding for Qwen3's 4 x 128 heads). A sequence whose rows
+    straddle two tiles is an item in each and reads its KV twice, so larger tiles cut HBM traffic;
+    decode items in a tile still compute only their own row blocks."""
     sub = _sublanes(dtype)
-    bq = max(1, min(1024 // group, tokens))
+    bq = max(1, min(TILE_ROWS // group, tokens))
     while (bq * group) % sub:
         bq += 1
     return bq
@@ -273,7 +278,14 @@ def _searchsorted_right(sorted_values, x):
 
 def sanitize_cu(cu_q_lens, t):
     """Cumulative lengths clipped to [0, T] and made non-decreasing: device-side safety, no OOB tiles."""
-    return jax.lax.cummax(jnp.clip(cu_q_lens.astype(jnp.int32), 0, t))
+    cu = jnp.clip(cu_q_lens.astype(jnp.int32), 0, t)
+    n = cu.shape[0]
+    if n * n > ONE_HOT_LIMIT:
+        return jax.lax.cummax(cu)
+    # The running max as one masked [n, n] max: one fused op where XLA:TPU's cummax is a reduce-window and
+    # two more ops (65 entries on v5e: 221 bundles in 3 ops).
+    i = jnp.arange(n, dtype=jnp.int32)
+    return jnp.max(jnp.where(i[None, :] <= i[:, None], cu[None, :], 0), axis=1)
 
 
 # --------------------------------------------------------------------------- the kernel
@@ -647,6 +659,16 @@ def _block_sizes(rows, dtype) -> tuple[int, ...]:
     return (sub, large) if large > sub and rows % sub == 0 else (large,)
 
 
+def _in_hbm(x):
+    """x kept in HBM: XLA:TPU would otherwise copy a cache small enough to fit into VMEM before the call (TPU7x,
+    Qwen3 decode B=1: two 1.3 MB copies, 1.4 us of a 14.7 us layer), though the kernel reads only a few of its
+    pages. Not when interpreting (the interpreter takes no memory-space types) nor on eager values (the
+    constraint has none)."""
+    if interpreting() or not isinstance(x, jax.core.Tracer):
+        return x
+    return pltpu.with_memory_space_constraint(x, pltpu.HBM)
+
+
 def vmem_estimate(rows, hkv, d, page, pages_per_block, dtype) -> int:
     """VMEM bytes of the blocks and scratch, with the (sublane, 128) tile padding the TPU applies."""
     item = jnp.dtype(dtype).itemsize
@@ -679,7 +701,7 @@ def ragged_paged_attention(
 
     ``scale`` 0 = head_dim**-0.5 (the default), ``window`` 0 = none (else transformers' sliding
     window: key > query - window), ``softcap`` 0 = none, ``sinks`` [Hq] GPT-OSS sink logits,
-    ``block_q`` query tokens per tile (0 = about 1024 rows, fewer when the batch has fewer tokens),
+    ``block_q`` query tokens per tile (0 = TILE_ROWS = 2048 rows, fewer when the batch has fewer tokens),
     ``block_kv`` tokens fetched per DMA chunk (rounded to whole pages; at most 512 pages, fewer when
     the chunk would not fit VMEM). Zero sizes: no query rows -> [0, Hq, D]; no sequences, an empty
     page table or an empty cache -> zeros (no row has a key to attend).
@@ -764,9 +786,8 @@ def ragged_paged_attention(
             disable_bounds_checks=True,
         ),
         name="ragged_paged_attention",
-    )(kv_lens.astype(jnp.int32), cu,
-      qg, table, k_pages.reshape(num_pages, page * hkv, width),
-      v_pages.reshape(num_pages, page * hkv, width), *smem_operands)
+    )(kv_lens.astype(jnp.int32), cu, qg, table, *(_in_hbm(x.reshape(num_pages, page * hkv, width)) for x in (k_pages, v_pages)),
+      *smem_operands)
     out = out.reshape(hkv, t_pad, group, width)
     if pack > 1:  # p . row = [p . v_0 | p . v_1 | ...]: each q head keeps its own KV head's lanes
         out = out.reshape(hkv, t_pad, pack, group // pack, width)
@@ -861,13 +882,25 @@ def write_slots(kv_lens, page_indices, cu_q_lens, t, num_pages, page, rows=None,
         return jnp.full((rows,), -1, jnp.int32), jnp.zeros((rows,), jnp.int32), jnp.zeros((rows,), jnp.int32)
     cu = sanitize_cu(cu_q_lens, t)
     r = jnp.arange(rows, dtype=jnp.int32)
-    seq = jnp.clip(_searchsorted_right(cu, r) - 1, 0, num_seqs - 1)
-    pos = kv_lens[seq] - (cu[seq + 1] - cu[seq]) + r - cu[seq]
+    if rows * num_seqs <= ONE_HOT_LIMIT:
+        # Row r is sequence s's when cu[s] <= r < cu[s + 1] (rows past cu[-1]: none, and not written). The
+        # [rows, seqs] one-hot sums are one fused op where a search and per-value gathers are several
+        # (XLA:TPU gathers go element by element: 2307 bundles for 80 rows on v5e).
+        member = (cu[None, :-1] <= r[:, None]) & (r[:, None] < cu[None, 1:])
+
+        def pick(values):
+            return jnp.sum(jnp.where(member, values[None, :], 0), axis=1)
+
+        seq, start, end, length = (pick(v) for v in (jnp.arange(num_seqs, dtype=jnp.int32), cu[:-1], cu[1:], kv_lens))
+    else:
+        seq = jnp.clip(_searchsorted_right(cu, r) - 1, 0, num_seqs - 1)
+        start, end, length = cu[seq], cu[seq + 1], kv_lens[seq]
+    pos = length - (end - start) + r - start
     col = _udiv(pos, page)  # a negative pos (refused below either way) reads as a large one
     pid = page_indices[seq, jnp.clip(col, 0, pps - 1)]
     off = pos - col * page
     ok = (r < cu[-1]) & (pos >= 0) & (col < pps) & (pid >= 0) & (pid < num_pages)
-    run = jnp.minimum(jnp.minimum(cu[seq + 1] - r, page - off), max_run or page)
+    run = jnp.minimum(jnp.minimum(end - r, page - off), max_run or page)
     run = jnp.where(ok, run, (r < cu[-1]).astype(jnp.int32))
     return jnp.where(ok, pid, -1).astype(jnp.int32), off, run
 
