@@ -194,6 +194,18 @@ def interpreting() -> bool:
         return False
 
 
+def in_hbm(x):
+    """``x`` kept in HBM for a Pallas call that DMAs only parts of it: XLA:TPU would otherwise copy an operand
+    small enough to fit into VMEM before the call. Only traced values compiled for a TPU carry the constraint:
+    the interpreter takes no memory-space types and an eager value has no such form."""
+    import jax
+    from jax.experimental.pallas import tpu as pltpu
+
+    if interpreting() or not isinstance(x, jax.core.Tracer):
+        return x
+    return pltpu.with_memory_space_constraint(x, pltpu.HBM)
+
+
 def _as_jax_dtype(t: torch.Tensor) -> torch.Tensor:
     """An int64 tensor as int32 on its own device: JAX runs without x64, so that is the dtype of the
     kernel's parameter (on TorchTPU, torch_tpu would hand the launch the int64 tensor unconverted).

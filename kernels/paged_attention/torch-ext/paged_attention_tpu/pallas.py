@@ -50,7 +50,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from . import _attention_math as am
-from ._bridge import check_array, dtype_name, host_values, interpreting
+from ._bridge import check_array, dtype_name, host_values, in_hbm
 from ._chips import tpu_generation
 
 KV_DTYPES = ("float32", "bfloat16")  # q, sinks, unquantized caches, new K/V
@@ -659,16 +659,6 @@ def _block_sizes(rows, dtype) -> tuple[int, ...]:
     return (sub, large) if large > sub and rows % sub == 0 else (large,)
 
 
-def _in_hbm(x):
-    """x kept in HBM: XLA:TPU would otherwise copy a cache small enough to fit into VMEM before the call (TPU7x,
-    Qwen3 decode B=1: two 1.3 MB copies, 1.4 us of a 14.7 us layer), though the kernel reads only a few of its
-    pages. Not when interpreting (the interpreter takes no memory-space types) nor on eager values (the
-    constraint has none)."""
-    if interpreting() or not isinstance(x, jax.core.Tracer):
-        return x
-    return pltpu.with_memory_space_constraint(x, pltpu.HBM)
-
-
 def vmem_estimate(rows, hkv, d, page, pages_per_block, dtype) -> int:
     """VMEM bytes of the blocks and scratch, with the (sublane, 128) tile padding the TPU applies."""
     item = jnp.dtype(dtype).itemsize
@@ -786,7 +776,7 @@ def ragged_paged_attention(
             disable_bounds_checks=True,
         ),
         name="ragged_paged_attention",
-    )(kv_lens.astype(jnp.int32), cu, qg, table, *(_in_hbm(x.reshape(num_pages, page * hkv, width)) for x in (k_pages, v_pages)),
+    )(kv_lens.astype(jnp.int32), cu, qg, table, *(in_hbm(x.reshape(num_pages, page * hkv, width)) for x in (k_pages, v_pages)),
       *smem_operands)
     out = out.reshape(hkv, t_pad, group, width)
     if pack > 1:  # p . row = [p . v_0 | p . v_1 | ...]: each q head keeps its own KV head's lanes

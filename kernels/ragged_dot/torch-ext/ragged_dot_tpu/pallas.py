@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ._bridge import check_array, dtype_name, host_values
+from ._bridge import check_array, dtype_name, host_values, in_hbm
 from ._chips import CHIPS, Chip, MiB, tpu_generation
 
 DTYPES = ("float32", "bfloat16")
@@ -791,9 +791,7 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
         if mxfp4:  # e8m0 scales per 32 inputs, [g, >= k/32, n]: blocked like the weight columns
             starts = [(0, 0)]
             # kept in HBM: XLA would otherwise prefetch every expert's scales (they fit) into VMEM before the call
-            # (a constraint on traced values only: it has no eager form)
-            scales = pltpu.with_memory_space_constraint(rhs_scale, pltpu.HBM) \
-                if isinstance(rhs_scale, jax.core.Tracer) else rhs_scale
+            scales = in_hbm(rhs_scale)
             in_specs.append(pl.BlockSpec((None, rhs_scale.shape[1], wn), w_map(0)))
         elif channel:  # [g, n_full] whole in VMEM (a few MiB at most), the group's row read per tile
             starts = [(0, 0)] + ([(n, 0)] if n_w == 2 else [])
