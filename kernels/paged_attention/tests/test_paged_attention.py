@@ -87,8 +87,34 @@ def test_every_head_pipeline_gives_the_reference(load_kernel, monkeypatch, lag, 
     lag, with fewer or more heads than its depth, gives the reference on a mixed bf16 batch (sinks, window)."""
     k = load_kernel("paged_attention")
     monkeypatch.setitem(k.pallas.PIPELINE_LAG, None, lag)
+    jax.clear_caches()  # jit caches traces by function, not by the module constants they read
     check(k, make_case([1, 30, 1, 7], [70, 40, 129, 7], dtype=jnp.bfloat16, hq=2 * hkv, hkv=hkv, sinks=True),
           window=24, block_q=16)
+
+
+LAYOUT_CASES = {  # name: (q_lens, kv_lens, make_case kwargs, kernel static kwargs); tiles of 128 or 256 rows
+    "f32_window_softcap_sinks": ([130, 1, 0, 77, 3], [300, 40, 0, 77, 9], dict(sinks=True),
+                                 dict(window=50, softcap=20.0, block_q=64, block_kv=64)),
+    "bf16_gqa4_page128_sinks": ([3, 1, 90, 1, 40], [3, 300, 90, 129, 700],
+                                dict(page=128, hq=8, hkv=2, dtype=jnp.bfloat16, sinks=True), dict(block_q=64)),
+}
+
+
+@pytest.mark.parametrize("layout", ["rows on sublanes", "keys-major", "keys-major bf16 exp"])
+@pytest.mark.parametrize("name", LAYOUT_CASES)
+def test_prefill_row_blocks_in_either_layout(load_kernel, monkeypatch, name, layout):
+    """Prefill row blocks (whole lane tiles) run keys-major on KEYS_MAJOR_CHIPS, with rows on sublanes
+    elsewhere (v5e), exp in bf16 on BF16_EXP_CHIPS: each gives the reference, with items straddling tiles,
+    an empty sequence, a window, soft-capping and sinks."""
+    k = load_kernel("paged_attention")
+    q_lens, kv_lens, make, static = LAYOUT_CASES[name]
+    args = make_case(q_lens, kv_lens, **make)
+    group = args[0].shape[1] // args[1].shape[2]
+    assert k.pallas._block_sizes(static["block_q"] * group, args[0].dtype)[-1] % 128 == 0  # a whole-lane block
+    monkeypatch.setattr(k.pallas, "KEYS_MAJOR_CHIPS", () if layout == "rows on sublanes" else (None,))
+    monkeypatch.setattr(k.pallas, "BF16_EXP_CHIPS", (None,) if layout.endswith("bf16 exp") else ())
+    jax.clear_caches()  # jit caches traces by function, not by the module constants they read
+    check(k, args, **static)
 
 
 def test_tiles_shared_by_many_sequences_and_all_padding_tiles(load_kernel):

@@ -25,6 +25,9 @@ KV head is computed from them, so GQA never repeats K/V; a head's keys are one s
 (``_head_rows``), not a per-token shuffle. The page table stays in HBM and each item copies its own
 row into SMEM (a 256-sequence x 32k-token table does not fit in 1 MiB of SMEM).
 Queries are regrouped by the wrapper to [Hkv, T*G, D] (G = Hq/Hkv) so each head's block is 2-D.
+Row blocks of a prefill chunk (128 or 256 rows) run keys-major on v6e and TPU7x (``_keys_major``): keys on
+sublanes and rows on lanes, the softmax denominator summed by the MXU beside P @ V, the masked keys near
+the causal diagonal in blocks of MASKED_KEYS; a decode item's block (one sublane tile) keeps rows on sublanes.
 
 Quantized caches (float8_e4m3fn, int8). HBM holds and the DMAs move the 1-byte values; in VMEM each
 head's chunk is converted to q's dtype (exact: every e4m3 and int8 value is a bf16 value; fp8 through
@@ -76,6 +79,11 @@ ONE_HOT_LIMIT = 1 << 20  # sanitize_cu, write_slots: the [n, m] one-hot / masked
 # Keys scored at once: a chunk is computed up to its last sub-block holding keys the rows see. 1024 rather
 # than 512 (cost model v2): TPU7x 64 x 8k decode 418 -> 374 us, 64 x 32k 1604 -> 1428; fp8 caches +1-2% on v5e/v6e.
 SUB_BLOCK = 1024
+# Keys a masked sub-block of a keys-major (prefill) row block holds: it is computed whole, so smaller blocks
+# waste less past the causal diagonal. Qwen3 mixed 60 decode + 4 x 128 prefill, layer us v6e / TPU7x, page 16;
+# page 128: 1024 (SUB_BLOCK) 359.7 / 279.5; 329.9 / 226.7, 512 342.8 / 265.2; 319.8 / 212.3, 256 340.7 / 265.7;
+# 318.8 / 212.8, 128 344.9 / 268.5; 321.4 / 215.7.
+MASKED_KEYS = 256
 # Query rows per tile (``_default_block_q``), cost model v2, Qwen3 mixed 60 decode + 4 x 128 prefill page 128 on
 # v5e / v6e / TPU7x (layer us): 1024 rows 674.1 / 383.6 / 272.0, 2048 629.4 / 353.4 / 273.8 (four prefill chunks
 # straddle tiles at 1024, two at 2048: each re-reads its KV); 2048 with the tokens spread evenly over the tiles
@@ -87,6 +95,14 @@ TILE_ROWS = 2048
 # program order (no pipeline) 724.4 / 413.6 / 297.1; 194.6; (0, 1), RPA v3's, 700.3 / 406.6 / 294.1; 191.6;
 # (1, 1) 717.4 / 393.2 / 275.7; 185.9; (1, 2) 722.6 / 397.2 / 275.3; 182.5. v5e decode is DMA-bound either way.
 PIPELINE_LAG = {"v5e": (0, 1), "v6e": (1, 1), "tpu7x": (1, 2), None: (1, 1)}
+# Chips whose prefill row blocks run keys-major (``_keys_major``; None: off TPU, the tests). Cost model v2, Qwen3
+# mixed 60 decode + 4 x 128 prefill, layer us v5e / v6e / TPU7x, rows on sublanes -> keys-major (1024-key masked
+# blocks): page 16 629.1 / 396.3 / 326.6 -> 640.5 / 359.7 / 279.5, page 128 629.4 / 353.4 / 273.8 -> 645.8 /
+# 329.9 / 226.7. v5e (no bf16 VPU) keeps rows on sublanes.
+KEYS_MAJOR_CHIPS = ("v6e", "tpu7x", None)
+# Chips whose keys-major blocks take exp in bf16 for bf16 queries: v6e, as the flash kernel (there ~2% per
+# layer); v5e has no bf16 EUP, and on TPU7x the flash kernel's schedule came out longer with it.
+BF16_EXP_CHIPS = ("v6e",)
 
 
 # --------------------------------------------------------------------------- validation
@@ -335,10 +351,14 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
             q_ref, table_hbm, k_hbm, v_hbm,  # inputs, then sinks [Hq] (has_sinks) and scales [2 Hkv] (quantized)
             *refs,  # the output block [Hkv, R, D], then scratch
             pps, scale, window, softcap, block_q, group, pages_per_block, block_sizes, has_sinks, quantized,
-            e4m3_b11, lag):
+            e4m3_b11, lag, keys_major, exp_dtype):
     sinks_ref = refs[0] if has_sinks else None
     scales_ref = refs[has_sinks] if quantized else None
-    o_ref, table_smem, state, kbuf, vbuf, sems, table_sems, m_ref, l_ref, acc_ref = refs[has_sinks + quantized:]
+    o_ref, table_smem, state, kbuf, vbuf, sems, table_sems, m_ref, l_ref, acc_ref, *major = refs[has_sinks + quantized:]
+    mt_ref, acct_ref = major or (None, None)  # the state of keys-major row blocks (``_keys_major``)
+
+    def is_major(size):  # the large row blocks, when keys-major
+        return keys_major and size == block_sizes[-1]
     tile, num_tiles = pl.program_id(0), pl.num_programs(0)
     num_seqs = cu_ref.shape[0] - 1
     num_pages, page = k_hbm.shape[0], k_hbm.shape[1] // o_ref.shape[0]
@@ -470,8 +490,17 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
             tok = tile_start + _div(r, group)  # packed query row
             return r0, pl.ds(r0, size), r, tok, (tok >= lo) & (tok < hi)
 
+        def block_lanes(size, j):  # block_rows' token and ownership of each row, as lane vectors [1, size]
+            r = j * size + jax.lax.broadcasted_iota(jnp.int32, (1, size), 1)
+            tok = tile_start + _div(r, group)
+            return r, tok, (tok >= lo) & (tok < hi)
+
         def init_block(size, j, carry):
             _, rs, _, _, _ = block_rows(size, j)
+            if is_major(size):
+                mt_ref[:, :, rs] = jnp.full((hkv, 1, size), am.MASK_VALUE, jnp.float32)
+                acct_ref[:, :, rs] = jnp.zeros((hkv, acct_ref.shape[1], size), jnp.float32)
+                return carry
             m_ref[:, rs, :] = jnp.full((hkv, size, 1), am.MASK_VALUE, jnp.float32)
             l_ref[:, rs, :] = jnp.zeros((hkv, size, 1), jnp.float32)
             acc_ref[:, rs, :] = jnp.zeros((hkv, size, d), jnp.float32)
@@ -556,6 +585,44 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
                             acc_ref[h, rs, :] = am.accumulate(acc_ref[h, rs, :], *weights.pop(h))
                     return carry
 
+                def sub_block_keys_major(masked, n, b, carry):
+                    """sub_block with keys on sublanes and the block's rows on lanes (``_keys_major``): the
+                    b-th block of n keys (unmasked ones from the chunk's start, masked ones after them)."""
+                    start = pl.multiple_of(b * n if not masked else clear * sub + b * n, n)
+                    ok = v_ok = None
+                    if masked:
+                        _, tok_l, mine_l = block_lanes(size, j)
+                        k_pos = chunk_start + start + _token_order(hkv, itemsize, n, (n, 1), 0)
+                        ok = mine_l & am.allowed(offset + tok_l - q_start, k_pos, causal=True, window=window or None)
+                        ok &= k_pos < kv_end
+                        v_ok = k_pos < kv_end
+                    # head h + 1's scores are issued before head h's softmax step (one basic block)
+                    pending = None
+                    for h in range(hkv + 1):
+                        if h < hkv:
+                            k, v = (_head_rows(buf, slot, h, hkv, start, n, e4m3_b11) for buf in (kbuf, vbuf))
+                            if quantized:
+                                k, v = _values(k, q_ref.dtype), _values(v, q_ref.dtype)
+                            if masked:
+                                v = jnp.where(v_ok, v, 0)
+                            k_scale = scale * scales_ref[h] if quantized else scale
+                            t = am.scores_keys_major(k, q_ref[h, rs, :], scale=k_scale, softcap=softcap or None)
+                            # V^T over rows of ones: the MXU sums the softmax denominator with P @ V
+                            vt = jnp.concatenate([v.T, jnp.ones((ONES_ROWS, n), v.dtype)], axis=0)
+                        if pending is not None:
+                            g, tg, vtg = pending
+                            mt_ref[g, :, rs], acct_ref[g, :, rs] = am.online_softmax_step_keys_major(
+                                mt_ref[g, :, rs], acct_ref[g, :, rs], tg, ok, vtg, exp_dtype=exp_dtype)
+                        pending = (h, t, vt) if h < hkv else None
+                    return carry
+
+                if is_major(size):
+                    # The masked keys (causal diagonal, the sequence's end, a window) go in blocks of
+                    # MASKED_KEYS: the last block a chunk computes is whole, past the keys the rows see.
+                    n = MASKED_KEYS if sub % MASKED_KEYS == 0 else sub
+                    num_masked = _div(jnp.maximum(jnp.clip(seen, 0, chunk) - clear * sub, 0) + n - 1, n)
+                    carry = jax.lax.fori_loop(0, clear, functools.partial(sub_block_keys_major, False, sub), carry)
+                    return jax.lax.fori_loop(0, num_masked, functools.partial(sub_block_keys_major, True, n), carry)
                 carry = jax.lax.fori_loop(0, clear, functools.partial(sub_block, False), carry)
                 return jax.lax.fori_loop(clear, num_sub, functools.partial(sub_block, True), carry)
 
@@ -569,13 +636,20 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
 
         def finalize_block(size, j, carry):
             _, rs, r, _, mine = block_rows(size, j)
+            major = is_major(size)
+            if major:
+                r = block_lanes(size, j)[0]
             for h in range(hkv):
                 sink = None
                 if has_sinks:  # q head h*G + (r mod G)
-                    sink = jnp.full((size, 1), sinks_ref[h * group], jnp.float32)
+                    sink = jnp.full(r.shape, sinks_ref[h * group], jnp.float32)
                     for g in range(1, group):
                         sink = jnp.where(jax.lax.rem(r, group) == g, sinks_ref[h * group + g], sink)
-                out, _ = am.finalize(m_ref[h, rs, :], l_ref[h, rs, :], acc_ref[h, rs, :], sink)
+                if major:
+                    out, _ = am.finalize_keys_major(mt_ref[h, :, rs], acct_ref[h, :, rs], d, sink)
+                    out = out.T
+                else:
+                    out, _ = am.finalize(m_ref[h, rs, :], l_ref[h, rs, :], acc_ref[h, rs, :], sink)
                 if quantized:  # every value of head h carries v_scale[h]: scale the finished row once
                     out = out * scales_ref[hkv + h]
                 o_ref[h, rs, :] = jnp.where(mine, out.astype(o_ref.dtype), o_ref[h, rs, :])
@@ -650,6 +724,23 @@ def _token_order(hkv, itemsize, n, shape, axis):
     return jax.lax.rem(r, per_run) * runs + _div(r, per_run)
 
 
+ONES_ROWS = 16  # rows of ones below V^T in a keys-major block (one packed bf16 sublane tile)
+
+
+def _keys_major(size: int, chip: str | None) -> bool:
+    """Whether row blocks of ``size`` rows are computed keys-major (``am.online_softmax_step_keys_major``):
+    keys on sublanes, the block's rows on lanes, so the softmax reductions run over sublanes and the MXU
+    sums the denominator. Blocks of whole lane tiles (prefill chunks) on KEYS_MAJOR_CHIPS; sublane-tile
+    blocks (decode items) keep rows on sublanes."""
+    return size % LANES == 0 and chip in KEYS_MAJOR_CHIPS
+
+
+def _exp_dtype(dtype):
+    """The dtype of a keys-major block's exp: bf16 for bf16 queries on BF16_EXP_CHIPS (p is rounded to bf16 for
+    the MXU either way), else f32."""
+    return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 and current_chip() in BF16_EXP_CHIPS else jnp.float32
+
+
 def _block_sizes(rows, dtype) -> tuple[int, ...]:
     """Rows computed per step inside a tile, smallest first: one sublane tile (for decode items) and
     256 (or 128, ...) when the tile splits evenly, else the whole tile. 256 against 128 rows: prefill
@@ -659,7 +750,7 @@ def _block_sizes(rows, dtype) -> tuple[int, ...]:
     return (sub, large) if large > sub and rows % sub == 0 else (large,)
 
 
-def vmem_estimate(rows, hkv, d, page, pages_per_block, dtype) -> int:
+def vmem_estimate(rows, hkv, d, page, pages_per_block, dtype, keys_major=False) -> int:
     """VMEM bytes of the blocks and scratch, with the (sublane, 128) tile padding the TPU applies."""
     item = jnp.dtype(dtype).itemsize
     sub = _sublanes(dtype)
@@ -668,6 +759,8 @@ def vmem_estimate(rows, hkv, d, page, pages_per_block, dtype) -> int:
     kv = 2 * 2 * pad(pages_per_block * page * hkv, sub) * lanes * item  # K and V, two slots, dense rows
     qo = 2 * 2 * hkv * pad(rows, sub) * lanes * item  # q and o blocks, double-buffered
     stats = 2 * hkv * pad(rows, 8) * 128 * 4 + hkv * pad(rows, 8) * lanes * 4
+    if keys_major:  # m [1, rows] and acc [D + ONES_ROWS, rows] per head
+        stats += hkv * (8 + lanes + ONES_ROWS) * pad(rows, 128) * 4
     return kv + qo + stats
 
 
@@ -717,7 +810,10 @@ def ragged_paged_attention(
                          f"{_sublanes(q.dtype)} (TPU sublane tile)")
     rows = bq * group
     pages_per_block = max(1, min(block_kv // page, MAX_PAGES_PER_CHUNK, pps))
-    while pages_per_block > 1 and vmem_estimate(rows, hkv, width, page, pages_per_block, k_pages.dtype) > KV_VMEM_BUDGET:
+    block_sizes = _block_sizes(rows, q.dtype)
+    keys_major = _keys_major(block_sizes[-1], current_chip())
+    while pages_per_block > 1 and vmem_estimate(rows, hkv, width, page, pages_per_block, k_pages.dtype,
+                                                keys_major) > KV_VMEM_BUDGET:
         pages_per_block //= 2
     num_tiles = max(1, pl.cdiv(t, bq))
     # Each item copies its page-table row into SMEM: v5e's DMA takes a slice of an SMEM buffer only in
@@ -740,14 +836,17 @@ def ragged_paged_attention(
     smem_operands = ([sinks.astype(jnp.float32)] if sinks is not None else []) + (
         [jnp.concatenate([k_scale, v_scale]).astype(jnp.float32)] if quantized else [])
 
+    major_state = [pltpu.VMEM((hkv, 1, rows), jnp.float32), pltpu.VMEM((hkv, width + ONES_ROWS, rows), jnp.float32)]
     kernel = functools.partial(
         _kernel, pps=pps, scale=am.resolve_scale(scale, d), window=int(window), softcap=float(softcap), block_q=bq, group=group,
-        pages_per_block=pages_per_block, block_sizes=_block_sizes(rows, q.dtype), has_sinks=sinks is not None,
+        pages_per_block=pages_per_block, block_sizes=block_sizes, has_sinks=sinks is not None,
         quantized=quantized, e4m3_b11=quantized and k_pages.dtype == jnp.float8_e4m3fn and reads_e4m3_as_b11(),
-        lag=PIPELINE_LAG.get(current_chip(), PIPELINE_LAG[None]))
+        lag=PIPELINE_LAG.get(current_chip(), PIPELINE_LAG[None]), keys_major=keys_major,
+        exp_dtype=_exp_dtype(q.dtype))
+
     block = pl.BlockSpec((hkv, rows, width), lambda i, *_: (0, i, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
-    vmem = vmem_estimate(rows, hkv, width, page, pages_per_block, k_pages.dtype)
+    vmem = vmem_estimate(rows, hkv, width, page, pages_per_block, k_pages.dtype, keys_major)
     out = pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((hkv, t_pad * group, width), q.dtype),
@@ -766,6 +865,7 @@ def ragged_paged_attention(
                 pltpu.VMEM((hkv, rows, 1), jnp.float32),
                 pltpu.VMEM((hkv, rows, 1), jnp.float32),
                 pltpu.VMEM((hkv, rows, width), jnp.float32),
+                *(major_state if keys_major else []),
             ],
         ),
         compiler_params=pltpu.CompilerParams(
