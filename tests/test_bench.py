@@ -107,6 +107,34 @@ def test_bench_run_models_layers_and_a_partial_run_publishes_nothing(tmp_path, m
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_second_run_counts_and_checks_only_what_changed(tmp_path, monkeypatch):
+    """Counts and checks are stored under everything they depend on, as compiles are: a second run with the
+    same sources counts and checks nothing again and gives the same rows; a changed implementation (its
+    digest) is counted and checked again. So a bench after a change to one kernel recounts that kernel only."""
+    monkeypatch.setenv("PALLAS_HUB_CACHE", str(tmp_path / "cache"))
+    calls = []
+    count, check = bench._count, bench._run_check
+    monkeypatch.setattr(bench, "_count", lambda impl, *a: calls.append(("count", impl.name)) or count(impl, *a))
+    monkeypatch.setattr(bench, "_run_check", lambda impl, *a: calls.append(("check", impl.name)) or check(impl, *a))
+    impls = _impls("jax paged_attention")
+    assert impls[0].digest
+
+    def run():
+        result = bench.run(("decode",), out_dir=tmp_path, bridge=False, xla=False, measure=False, chips=("v6e",),
+                           progress=lambda *_: None, problem_list=[problems.decode_problem(TINY, 2, 16)],
+                           impl_list=impls)
+        (row,) = result["rows"]
+        assert row["status"] == "ok" and row["check"]["ok"], row
+        return row["check"], row["chips"]["v6e"]["layer_s_0.35us"]
+
+    first = run()
+    assert calls == [("count", "jax paged_attention"), ("check", "jax paged_attention")]
+    assert run() == first and len(calls) == 2  # the same row, nothing counted or checked again
+    impls[0].digest = "changed sources"
+    run()
+    assert calls[2:] == calls[:2]
+
+
 def test_tpu_path_with_stand_in_device_and_clock():
     """The TPU timing path, run on CPU with a fake clock: it claims nothing about TPU speed."""
     probs = [problems.moe_problem(TINY, 8), problems.decode_problem(TINY, 2, 16)]

@@ -29,6 +29,7 @@ import importlib
 import json
 import logging
 import os
+import pickle
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -379,10 +380,45 @@ def tracing(impl_name: str, chip: str):
 
 # --------------------------------------------------------------------------- one row
 
+def _stored(kind: str, impl: Impl, name: str, parts, compute: Callable, keep: Callable = lambda value: True):
+    """``compute()``, or what it gave in an earlier run with the same inputs: the implementation's sources
+    (``impl.digest``), ``parts`` (problem, chip, options), the bench's own sources and the library versions
+    (``inputs_digest``), as the compile cache keys a program. So a run after a change to one kernel counts
+    only that kernel's rows again. Stored only when ``keep(value)`` (a failed check is retried next run) and
+    the implementation has a digest (an ad-hoc one, as in tests, has none)."""
+    if not impl.digest:
+        return compute()
+    model, versions = _bench_sources()
+    text = json.dumps([COUNTS_VERSION, kind, name, impl.digest, parts, model, versions], default=str)
+    path = compiled.cache_dir().parent / "counts" / f"{hashlib.sha256(text.encode()).hexdigest()[:24]}.pkl"
+    try:
+        return pickle.loads(path.read_bytes())
+    except Exception:  # not stored yet, or unreadable: computed again
+        pass
+    value = compute()
+    if keep(value):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_bytes(pickle.dumps(value))
+            tmp.replace(path)
+        except (OSError, pickle.PicklingError, TypeError, AttributeError) as e:
+            logging.getLogger(__name__).warning("not stored (%s): %s", kind, e)
+    return value
+
+
+COUNTS_VERSION = 1  # bump when what a stored count or check holds changes
+
+
 def _check(impl: Impl, problem: Problem, cache: dict) -> dict:
     key = (impl.name.split(" (")[0],) + problem.check_key  # tiling variants share their kernel's check
-    if key in cache:
-        return cache[key]
+    if key not in cache:
+        cache[key] = _stored("check", impl, key[0], list(problem.check_key), lambda: _run_check(impl, problem),
+                             keep=lambda c: c.get("ok"))
+    return cache[key]
+
+
+def _run_check(impl: Impl, problem: Problem) -> dict:
     start = time.perf_counter()
     try:
         c = problem.check()
@@ -400,14 +436,18 @@ def _check(impl: Impl, problem: Problem, cache: dict) -> dict:
         out = np.asarray(jnp.asarray(out, jnp.float32))
         ref = np.asarray(c.reference, np.float32)
         err = float(np.max(np.abs(out - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
-        cache[key] = {"ok": bool(np.isfinite(err) and err <= c.tol), "rel_err": err, "tol": c.tol, "shape": c.shape,
-                      "kind": kind, "seconds": time.perf_counter() - start}
+        return {"ok": bool(np.isfinite(err) and err <= c.tol), "rel_err": err, "tol": c.tol, "shape": c.shape,
+                "kind": kind, "seconds": time.perf_counter() - start}
     except Exception as e:
-        cache[key] = {"ok": False, "error": verify.first_line(e), "seconds": time.perf_counter() - start}
-    return cache[key]
+        return {"ok": False, "error": verify.first_line(e), "seconds": time.perf_counter() - start}
 
 
 def _counts(impl: Impl, problem: Problem, chip: str, options: dict):
+    return _stored("counts", impl, impl.name, [list(problem.recipe), chip if impl.per_chip else None, options],
+                   lambda: _count(impl, problem, chip, options))
+
+
+def _count(impl: Impl, problem: Problem, chip: str, options: dict):
     kwargs = problem.kwargs
     if impl.cost is not None:
         return impl.cost(problem, chip, options)
@@ -465,9 +505,9 @@ def assemble(problem: Problem, chip: str, cost, profile: dict | None) -> dict:
 
 # --------------------------------------------------------------------------- the run
 
-def inputs_digest(paths=()) -> dict:
-    """What the published figures depend on: our kernels' sources (the manifest's, or ``paths``), the
-    anchors, the cost model and the chip table, and the versions of the compiler and libraries."""
+@functools.cache
+def _bench_sources() -> tuple[str, dict]:
+    """(digest of the bench's sources and the chip table, versions of the compiler and libraries)."""
     from importlib import metadata
 
     h = hashlib.sha256()
@@ -480,7 +520,14 @@ def inputs_digest(paths=()) -> dict:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    return {"cost_model": h.hexdigest()[:16], "versions": versions,
+    return h.hexdigest()[:16], versions
+
+
+def inputs_digest(paths=()) -> dict:
+    """What the published figures depend on: our kernels' sources (the manifest's, or ``paths``), the
+    anchors, the cost model and the chip table, and the versions of the compiler and libraries."""
+    model, versions = _bench_sources()
+    return {"cost_model": model, "versions": versions,
             "kernels": {f"ours: {k}": kernel_digest(spec)[:16] for k, (spec, _) in raced_kernels(paths).items()},
             "anchors": _anchor_digest()[:16]}
 
