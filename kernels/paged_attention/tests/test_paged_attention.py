@@ -104,7 +104,7 @@ LAYOUT_CASES = {  # name: (q_lens, kv_lens, make_case kwargs, kernel static kwar
 @pytest.mark.parametrize("name", LAYOUT_CASES)
 def test_prefill_row_blocks_in_either_layout(load_kernel, monkeypatch, name, layout):
     """Prefill row blocks (whole lane tiles) run keys-major on KEYS_MAJOR_CHIPS, with rows on sublanes
-    elsewhere (v5e), exp in bf16 on BF16_EXP_CHIPS: each gives the reference, with items straddling tiles,
+    elsewhere (v5e), exp in bf16 on am.BF16_EXP_CHIPS: each gives the reference, with items straddling tiles,
     an empty sequence, a window, soft-capping and sinks."""
     k = load_kernel("paged_attention")
     q_lens, kv_lens, make, static = LAYOUT_CASES[name]
@@ -112,7 +112,7 @@ def test_prefill_row_blocks_in_either_layout(load_kernel, monkeypatch, name, lay
     group = args[0].shape[1] // args[1].shape[2]
     assert k.pallas._block_sizes(static["block_q"] * group, args[0].dtype)[-1] % 128 == 0  # a whole-lane block
     monkeypatch.setattr(k.pallas, "KEYS_MAJOR_CHIPS", () if layout == "rows on sublanes" else (None,))
-    monkeypatch.setattr(k.pallas, "BF16_EXP_CHIPS", (None,) if layout.endswith("bf16 exp") else ())
+    monkeypatch.setattr(k.pallas.am, "BF16_EXP_CHIPS", (None,) if layout.endswith("bf16 exp") else ())
     jax.clear_caches()  # jit caches traces by function, not by the module constants they read
     check(k, args, **static)
 

@@ -77,6 +77,17 @@ def accumulate(acc, alpha, p, v):
 
 
 LOG2E = math.log2(math.e)
+ONES_ROWS = 16  # rows of ones below V^T in the keys-major step (one packed bf16 sublane tile)
+# Chips whose keys-major step takes exp in bf16 for bf16 inputs: v6e (bf16 EUP; half the exp pushes and pops,
+# ~2% per flash attention layer on the cost model). Not v5e (no bf16 VPU/EUP), nor TPU7x: it has them, but
+# the flash kernel's compiled schedule came out 0-2% longer with bf16 exp (benchmarks, pallas-hub bench runner).
+BF16_EXP_CHIPS = ("v6e",)
+
+
+def exp_dtype(dtype, chip: str | None):
+    """The dtype of the keys-major step's exp on ``chip``: bf16 for bf16 inputs on BF16_EXP_CHIPS (p is
+    rounded to bf16 for the MXU either way), else f32."""
+    return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 and chip in BF16_EXP_CHIPS else jnp.float32
 
 
 def scores_keys_major(k, q, *, scale: float, softcap: float | None):

@@ -50,10 +50,6 @@ DTYPES = ("float32", "bfloat16")
 HEAD_DIMS = (64, 128, 256)
 LANES = 128
 COMPUTE, FIRST, LAST = 1, 2, 4  # schedule flags
-# Chips whose forward takes exp in bf16 for bf16 inputs: v6e (bf16 EUP; half the exp pushes and pops,
-# ~2% per layer on the cost model). Not v5e (no bf16 VPU/EUP), nor TPU7x: it has them, but its
-# compiled schedule came out 0-2% longer with bf16 exp (benchmarks, pallas-hub bench runner).
-BF16_EXP_CHIPS = ("v6e",)
 
 # Per-chip defaults: (block_q, block_k, block_k for decode-sized q, vmem_limit_bytes). Blocks are
 # multiples of 128 (256-wide MXUs on v6e/TPU7x); a q block carries all G heads of a KV group, so
@@ -290,9 +286,6 @@ def _keys_major(bq):
     return bq % LANES == 0
 
 
-ONES_ROWS = 16  # rows of ones below V^T in the keys-major forward (one packed bf16 sublane tile)
-
-
 def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups, bq, bk, bkc, sk, d, scale, causal,
                 window, softcap, has_sinks, has_mask, with_lse, exp_dtype):
     refs = list(refs)
@@ -340,7 +333,7 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
             k = k_ref[tile, :]
             v = _rows(v_ref[tile, :], col0, sk, masked and sk % bk != 0)  # a full tile lies inside Sk
             if keys_major:  # V^T and ones rows (the MXU sums the denominator), shared by the G heads
-                vt = jnp.concatenate([v.T, jnp.ones((ONES_ROWS, bkc), v.dtype)], axis=0)
+                vt = jnp.concatenate([v.T, jnp.ones((am.ONES_ROWS, bkc), v.dtype)], axis=0)
 
             # The G query heads of this KV group share the K/V tile. Keys-major, `per` heads an iteration
             # as a software pipeline: head j + 1's scores are issued before head j's softmax step, so the
@@ -549,14 +542,14 @@ def _forward(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap, block
                                       lambda bb, h, t, o, i, f, s: (bb, h, 0, o[bb * n_items + t], 0)))
         out_shape.append(jax.ShapeDtypeStruct((b, hkv, g, sq, LANES), jnp.float32))
     if _keys_major(bq):
-        scratch = [pltpu.VMEM((g, 1, bq), jnp.float32), pltpu.VMEM((g, d + ONES_ROWS, bq), jnp.float32)]
+        scratch = [pltpu.VMEM((g, 1, bq), jnp.float32), pltpu.VMEM((g, d + am.ONES_ROWS, bq), jnp.float32)]
     else:
         scratch = [pltpu.VMEM((g, bq, 1), jnp.float32), pltpu.VMEM((g, bq, 1), jnp.float32),
                    pltpu.VMEM((g, bq, d), jnp.float32)]
     kernel = functools.partial(
         _fwd_kernel, n_items=n_items, groups=g, bq=bq, bk=bk, bkc=_compute_tile(bq, bk), sk=sk, d=d, scale=scale,
         causal=causal, window=window, softcap=softcap, has_sinks=sinks is not None, has_mask=mask is not None,
-        with_lse=with_lse, exp_dtype=_exp_dtype(q.dtype, chip))
+        with_lse=with_lse, exp_dtype=am.exp_dtype(q.dtype, chip))
     outs = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -571,12 +564,6 @@ def _forward(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap, block
     if with_lse:
         lse = (outs[1] if _keys_major(bq) else outs[1][..., 0]).reshape(b, hq, sq)
     return out, lse
-
-
-def _exp_dtype(dtype, chip):
-    """The dtype of the forward's exp: bf16 for bf16 inputs on BF16_EXP_CHIPS (p is rounded to bf16 for
-    the MXU either way), else f32."""
-    return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 and chip in BF16_EXP_CHIPS else jnp.float32
 
 
 def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window, softcap, block_q, block_k, chip):

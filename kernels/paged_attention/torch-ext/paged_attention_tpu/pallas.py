@@ -100,9 +100,6 @@ PIPELINE_LAG = {"v5e": (0, 1), "v6e": (1, 1), "tpu7x": (1, 2), None: (1, 1)}
 # blocks): page 16 629.1 / 396.3 / 326.6 -> 640.5 / 359.7 / 279.5, page 128 629.4 / 353.4 / 273.8 -> 645.8 /
 # 329.9 / 226.7. v5e (no bf16 VPU) keeps rows on sublanes.
 KEYS_MAJOR_CHIPS = ("v6e", "tpu7x", None)
-# Chips whose keys-major blocks take exp in bf16 for bf16 queries: v6e, as the flash kernel (there ~2% per
-# layer); v5e has no bf16 EUP, and on TPU7x the flash kernel's schedule came out longer with it.
-BF16_EXP_CHIPS = ("v6e",)
 
 
 # --------------------------------------------------------------------------- validation
@@ -608,7 +605,7 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
                             k_scale = scale * scales_ref[h] if quantized else scale
                             t = am.scores_keys_major(k, q_ref[h, rs, :], scale=k_scale, softcap=softcap or None)
                             # V^T over rows of ones: the MXU sums the softmax denominator with P @ V
-                            vt = jnp.concatenate([v.T, jnp.ones((ONES_ROWS, n), v.dtype)], axis=0)
+                            vt = jnp.concatenate([v.T, jnp.ones((am.ONES_ROWS, n), v.dtype)], axis=0)
                         if pending is not None:
                             g, tg, vtg = pending
                             mt_ref[g, :, rs], acct_ref[g, :, rs] = am.online_softmax_step_keys_major(
@@ -724,21 +721,12 @@ def _token_order(hkv, itemsize, n, shape, axis):
     return jax.lax.rem(r, per_run) * runs + _div(r, per_run)
 
 
-ONES_ROWS = 16  # rows of ones below V^T in a keys-major block (one packed bf16 sublane tile)
-
-
 def _keys_major(size: int, chip: str | None) -> bool:
     """Whether row blocks of ``size`` rows are computed keys-major (``am.online_softmax_step_keys_major``):
     keys on sublanes, the block's rows on lanes, so the softmax reductions run over sublanes and the MXU
     sums the denominator. Blocks of whole lane tiles (prefill chunks) on KEYS_MAJOR_CHIPS; sublane-tile
     blocks (decode items) keep rows on sublanes."""
     return size % LANES == 0 and chip in KEYS_MAJOR_CHIPS
-
-
-def _exp_dtype(dtype):
-    """The dtype of a keys-major block's exp: bf16 for bf16 queries on BF16_EXP_CHIPS (p is rounded to bf16 for
-    the MXU either way), else f32."""
-    return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 and current_chip() in BF16_EXP_CHIPS else jnp.float32
 
 
 def _block_sizes(rows, dtype) -> tuple[int, ...]:
@@ -760,7 +748,7 @@ def vmem_estimate(rows, hkv, d, page, pages_per_block, dtype, keys_major=False) 
     qo = 2 * 2 * hkv * pad(rows, sub) * lanes * item  # q and o blocks, double-buffered
     stats = 2 * hkv * pad(rows, 8) * 128 * 4 + hkv * pad(rows, 8) * lanes * 4
     if keys_major:  # m [1, rows] and acc [D + ONES_ROWS, rows] per head
-        stats += hkv * (8 + lanes + ONES_ROWS) * pad(rows, 128) * 4
+        stats += hkv * (8 + lanes + am.ONES_ROWS) * pad(rows, 128) * 4
     return kv + qo + stats
 
 
@@ -836,13 +824,13 @@ def ragged_paged_attention(
     smem_operands = ([sinks.astype(jnp.float32)] if sinks is not None else []) + (
         [jnp.concatenate([k_scale, v_scale]).astype(jnp.float32)] if quantized else [])
 
-    major_state = [pltpu.VMEM((hkv, 1, rows), jnp.float32), pltpu.VMEM((hkv, width + ONES_ROWS, rows), jnp.float32)]
+    major_state = [pltpu.VMEM((hkv, 1, rows), jnp.float32), pltpu.VMEM((hkv, width + am.ONES_ROWS, rows), jnp.float32)]
     kernel = functools.partial(
         _kernel, pps=pps, scale=am.resolve_scale(scale, d), window=int(window), softcap=float(softcap), block_q=bq, group=group,
         pages_per_block=pages_per_block, block_sizes=block_sizes, has_sinks=sinks is not None,
         quantized=quantized, e4m3_b11=quantized and k_pages.dtype == jnp.float8_e4m3fn and reads_e4m3_as_b11(),
         lag=PIPELINE_LAG.get(current_chip(), PIPELINE_LAG[None]), keys_major=keys_major,
-        exp_dtype=_exp_dtype(q.dtype))
+        exp_dtype=am.exp_dtype(q.dtype, current_chip()))
 
     block = pl.BlockSpec((hkv, rows, width), lambda i, *_: (0, i, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
