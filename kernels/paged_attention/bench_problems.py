@@ -4,6 +4,7 @@ and mixed batches of decode sequences and prefill chunks) beside jax's paged att
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_hub.hub.declarations import BenchImpl, chip_answered
 
@@ -14,13 +15,11 @@ FAMILY = "decode"  # the family's cache layout [P, page, Hkv, D] is this kernel'
 def implementation(kernel):
     def fn(q, new_k, new_v, k_pages, v_pages, lengths, table, k_scale=None, v_scale=None, *, scale, chip,
            cu_q_lens=None):
-        # decode: one new token per sequence; a mixed batch gives its query rows per sequence
-        cu_q_lens = jnp.arange(q.shape[0] + 1, dtype=jnp.int32) if cu_q_lens is None else jnp.asarray(cu_q_lens, jnp.int32)
-        k_pages, v_pages = kernel.pallas.write_kv(k_pages, v_pages, new_k, new_v, lengths, table, cu_q_lens,
-                                                  k_scale=k_scale, v_scale=v_scale)
-        out = kernel.pallas.ragged_paged_attention(q, k_pages, v_pages, lengths, table, cu_q_lens, scale=scale,
-                                                   k_scale=k_scale, v_scale=v_scale)
-        return out, k_pages, v_pages
+        # decode: one new token per sequence; a mixed batch gives its query rows per sequence. Host values, as
+        # a serving loop passes them and as the anchors' adapters build theirs (constants, not an on-device iota)
+        cu_q_lens = np.asarray(np.arange(q.shape[0] + 1) if cu_q_lens is None else cu_q_lens, np.int32)
+        return kernel.pallas.write_and_attend(q, new_k, new_v, k_pages, v_pages, lengths, table, cu_q_lens, scale=scale,
+                                              k_scale=k_scale, v_scale=v_scale)
 
     def lane_packed(q, new_k, new_v, k_pages, v_pages, *rest, params=None):
         """An unquantized cache of head dim below 128 is held lane-packed (``pallas.kv_heads``): the layout

@@ -5,7 +5,8 @@ Decode (one new token per sequence) and mixed batches (a few prefill chunks amon
 KV write kernel. The cache pool holds exactly the pages the batch needs (num_seqs x context / page).
 Quantized caches (float8_e4m3fn, int8 with per-KV-head scales, bf16 queries): decode and mixed reads,
 and the quantizing write. GPT-OSS-20B attention (64 q / 8 kv heads of 64, sinks, a 128-token window) on
-its lane-packed cache [P, page, 4, 128]: decode, a mixed batch, the write.
+its lane-packed cache [P, page, 4, 128]: decode, a mixed batch, the write. ``write_and_attend`` (the write
+inside the attention kernel) on decode and mixed batches, bf16, fp8 and int8 caches, and GPT-OSS's.
 """
 
 import jax
@@ -65,7 +66,7 @@ def configs(kernel):
         fn, args = _attention(kernel, 256, 32768, 16, tokens=4 * 512 + 252, cache=cache)  # 8 GiB: fits v5e
         out.append(Config(f"mixed 256 seqs 32k {name} cache page 16, window 4096", fn, args,
                           dict(scale=D**-0.5, window=4096)))
-    out += _gpt_oss(kernel)
+    out += _gpt_oss(kernel) + _fused(kernel)
     s = jax.ShapeDtypeStruct
     meta = (s((64,), jnp.int32), s((64, 64), jnp.int32), s((65,), jnp.int32))
     new = s((2048, HKV, D), jnp.bfloat16)
@@ -95,3 +96,33 @@ def _gpt_oss(kernel):
     out.append(Config("GPT-OSS write_kv 2048 tokens into 64 seqs x 8k lane-packed bf16 page 128", kernel.pallas.write_kv,
                       (cache, cache, new, new, *meta)))
     return out
+
+
+def _fused(kernel):
+    """``write_and_attend``: the new K/V rows [T, Hkv, D] before the caches, the write inside the kernel."""
+    s = jax.ShapeDtypeStruct
+    out = []
+    for name, num_seqs, context, page, tokens, cache in (
+            ("decode 64 seqs x 8k bf16 page 16", 64, 8192, 16, 64, jnp.bfloat16),
+            ("decode 256 seqs x 2k bf16 page 128", 256, 2048, 128, 256, jnp.bfloat16),
+            ("mixed 64 seqs x 8k bf16 page 128", 64, 8192, 128, 4 * 512 + 60, jnp.bfloat16),
+            ("decode 64 seqs x 8k fp8 cache page 16", 64, 8192, 16, 64, jnp.float8_e4m3fn),
+            ("mixed 64 seqs x 8k int8 cache page 16, window 4096", 64, 8192, 16, 4 * 512 + 60, jnp.int8)):
+        _, (q, k, v, *meta) = _attention(kernel, num_seqs, context, page, tokens=tokens, cache=cache)
+        new = s((tokens, HKV, D), jnp.bfloat16)
+        fn = kernel.pallas.write_and_attend
+        if cache != jnp.bfloat16:  # scales as keywords (the matrix passes positional arrays)
+            fn = (lambda q, nk, nv, k, v, lens, table, cu, ks, vs, **static: kernel.pallas.write_and_attend(
+                q, nk, nv, k, v, lens, table, cu, k_scale=ks, v_scale=vs, **static))
+            del meta[3]  # sinks: none
+        out.append(Config(f"write_and_attend {name}", fn, (q, new, new, k, v, *meta),
+                          dict(scale=D**-0.5, **({"window": 4096} if "window" in name else {}))))
+    hq, hkv, d, num_seqs, context, page, tokens = 64, 8, 64, 64, 8192, 16, 4 * 512 + 60
+    cache = s((num_seqs * context // page, page, hkv * d // 128, 128), jnp.bfloat16)
+    new = s((tokens, hkv, d), jnp.bfloat16)
+    args = (s((tokens, hq, d), jnp.bfloat16), new, new, cache, cache, s((num_seqs,), jnp.int32),
+            s((num_seqs, context // page), jnp.int32), s((num_seqs + 1,), jnp.int32), s((hq,), jnp.bfloat16))
+    out.append(Config("write_and_attend GPT-OSS mixed 64 seqs x 8k lane-packed bf16 page 16, sinks, window 128",
+                      kernel.pallas.write_and_attend, args, dict(scale=d**-0.5, window=128)))
+    return out
+

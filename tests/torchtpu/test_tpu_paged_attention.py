@@ -45,6 +45,19 @@ def test_write_kv_functional(pa, on_tpu, index_dtype):
         assert [p.dtype for p in launch.params[4:]] == [torch.int32] * 3
 
 
+def test_write_and_attend(pa, on_tpu):
+    """The fused op: one launch writes the new rows and attends; the caches come back as new tensors."""
+    kp, vp = on_tpu.empty(PAGES, PAGE, HKV, D), on_tpu.empty(PAGES, PAGE, HKV, D)
+    q, new_k, new_v = on_tpu.empty(5, HQ, D), on_tpu.empty(5, HKV, D), on_tpu.empty(5, HKV, D)
+    kv_lens, table, cu = (on_tpu.empty(*s, dtype=torch.int64) for s in ((2,), (2, 4), (3,)))
+    out, k, v = on_tpu(pa, lambda: pa.write_and_attend(q, new_k, new_v, kp, vp, kv_lens, table, cu))
+    assert (tuple(out.shape), tuple(k.shape), tuple(v.shape)) == ((5, HQ, D), (PAGES, PAGE, HKV, D), (PAGES, PAGE, HKV, D))
+    assert out.device.type == k.device.type == "tpu"
+    if on_tpu.kind == "eager":
+        (launch,) = on_tpu.checker.launches
+        assert [p.dtype for p in launch.params[5:8]] == [torch.int32] * 3
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.int8])
 def test_quantized_cache_write_and_attend(pa, on_tpu, cache_dtype):
     """A 1-byte cache with per-KV-head scales: the functional write (quantizing) and the read."""

@@ -532,7 +532,9 @@ def test_metadata_one_hot_forms_match_search_and_cummax(load_kernel, monkeypatch
             want_cu = np.maximum.accumulate(np.clip(np.asarray(cu_), 0, t))
             for limit in limits:
                 monkeypatch.setattr(pallas, "ONE_HOT_LIMIT", limit)
-                np.testing.assert_array_equal(np.asarray(pallas.sanitize_cu(cu_, t)), want_cu)
+                np.testing.assert_array_equal(np.asarray(pallas.sanitize_cu(cu_, t)), want_cu)  # on the host
+                np.testing.assert_array_equal(np.asarray(jax.jit(pallas.sanitize_cu, static_argnums=1)(cu_, t)),
+                                              want_cu)  # on device
                 got = [np.asarray(a) for a in pallas.write_slots(lens_, table_, cu_, t, num_pages, 16, rows=t + 16)]
                 if limit:
                     one_hot = got
@@ -710,6 +712,82 @@ def test_lane_packed_write_then_attend(load_kernel, mode):
     out = k.ragged_paged_attention(tq, kc, vc, tlens, ttable, tcu).numpy()
     ref = k.pallas.reference(q, rk, rv, lens, table, cu)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+FUSED_CASES = {  # name: (q_lens, kv_lens, make_case kwargs, kernel static kwargs, cache dtype or None)
+    # decode rows and prefill chunks straddling 8-token tiles, chunks of 2 pages, new rows across page ends,
+    # an empty sequence between others, a sequence whose new rows fill whole pages, padding rows
+    "mixed_bf16": ([1, 1, 20, 0, 33, 1, 16], [37, 16, 150, 10, 97, 1, 48], dict(hkv=2, dtype=jnp.bfloat16),
+                   dict(block_q=8, block_kv=32), None),
+    "f32_one_head_window_sinks_softcap": ([3, 1, 20, 1], [3, 50, 60, 17], dict(hq=4, hkv=1, sinks=True),
+                                          dict(window=24, softcap=20.0, block_kv=16), None),
+    "f32_two_heads_tiles_and_chunks": ([2, 1, 17, 0, 1], [40, 16, 33, 5, 70], dict(hkv=2), dict(block_q=8, block_kv=32),
+                                       None),
+    "decode_page_32": ([1] * 7, [1, 31, 32, 33, 64, 65, 2], dict(page=32, hkv=2, dtype=jnp.bfloat16), {}, None),
+    "int8_cache": ([1, 12, 1], [40, 12, 9], dict(hq=8, hkv=4, dtype=jnp.bfloat16), dict(block_kv=32), "int8"),
+    "fp8_cache": ([2, 1, 30], [9, 70, 45], dict(hq=8, hkv=4, dtype=jnp.bfloat16), dict(block_q=8), "float8_e4m3fn"),
+    "lane_packed_d64": ([1, 37, 0, 1, 5], [300, 37, 3, 129, 90], dict(hq=16, hkv=4, d=64, dtype=jnp.bfloat16),
+                        dict(block_q=16), None),
+    "two_calls_bf16_one_head": ([1, 9, 1], [20, 9, 33], dict(hq=2, hkv=1, dtype=jnp.bfloat16), {}, None),
+}
+
+
+@pytest.mark.parametrize("name, mode", [(n, "fast") for n in FUSED_CASES] + [
+    pytest.param(n, "strict", marks=pytest.mark.strict_interpret) for n in FUSED_CASES
+    if FUSED_CASES[n][2].get("dtype", jnp.float32) == jnp.float32])  # the strict interpreter reads no bitcast views
+def test_write_and_attend_is_write_kv_then_attention(load_kernel, name, mode):
+    """The fused kernel writes exactly what write_kv writes (host loop) and returns the attention over the
+    written cache (host reference); unwritten slots hold NaN, so a chunk that read a new token from the cache
+    instead of new_k/new_v would fail. One KV head of bf16 takes the two calls (``fuses_write``)."""
+    k = load_kernel("paged_attention")
+    q_lens, kv_lens, make, static, cache_dtype = FUSED_CASES[name]
+    q, kp, vp, lens, table, cu, sinks = make_case(q_lens, kv_lens, **make)
+    hkv, d = make["hkv"], make.get("d", 128)
+    rng = np.random.default_rng(7)
+    new_k, new_v = (jnp.asarray(rng.standard_normal((q.shape[0], hkv, d)), q.dtype) for _ in range(2))
+    scales, host_new = (), (new_k, new_v)
+    if cache_dtype:
+        scales = (jnp.asarray(rng.uniform(0.01, 0.03, hkv), jnp.float32),) * 2
+        kp, vp = (jnp.asarray(host_quantize(x, scales[0], cache_dtype)) for x in (kp, vp))
+        host_new = tuple(host_quantize(x, scales[0], cache_dtype) for x in (new_k, new_v))
+    # every slot the new tokens go to holds NaN before the write
+    new_slots = [(s, p) for s in range(len(q_lens)) for p in range(kv_lens[s] - q_lens[s], kv_lens[s])]
+    if not cache_dtype:
+        kp, vp = (x.at[np.array([table[s, p // kp.shape[1]] for s, p in new_slots], int),
+                       np.array([p % kp.shape[1] for _, p in new_slots], int)].set(np.nan) for x in (kp, vp))
+    rk, rv = k.pallas.reference_write(kp, vp, *host_new, lens, table, cu)
+    packed = d < 128
+    args = (q, new_k, new_v, *((lane_packed(kp), lane_packed(vp)) if packed else (kp, vp)), lens, table, cu, sinks)
+    static = dict(static, scale=d ** -0.5)
+    assert k.pallas.fuses_write(args[3]) == (name != "two_calls_bf16_one_head")
+    with interpret(mode):
+        out, ko, vo = jax.jit(k.pallas.write_and_attend, static_argnames=STATIC)(*args, **static, k_scale=scales[0] if scales else None,
+                                                                                 v_scale=scales[1] if scales else None)
+    for got, want in ((ko, rk), (vo, rv)):
+        got = np.asarray(got).reshape(want.shape)
+        np.testing.assert_array_equal(got.astype(np.float32), want.astype(np.float32))
+    ref = k.pallas.reference(q, rk, rv, lens, table, cu, sinks, **{n: v for n, v in static.items()
+                                                                 if n in ("scale", "window", "softcap")},
+                             **(dict(k_scale=scales[0], v_scale=scales[1]) if scales else {}))
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(out).all() and not out[int(cu[-1]):].any()
+    tol = TOL[jnp.dtype(q.dtype).type]
+    np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
+
+
+def test_write_and_attend_torch_op_is_the_two_ops(load_kernel):
+    """The torch op on CPU tensors: the caches write_kv returns and the attention over them."""
+    k = load_kernel("paged_attention")
+    q, kp, vp, lens, table, cu, _ = make_case([1, 6, 1], [30, 6, 17], hq=4, hkv=2)
+    new_k, new_v = q[:, :2] * 0.5, q[:, 2:] - 1
+    tq, tnk, tnv, tkp, tvp, tlens, ttable, tcu = _torch(q, new_k, new_v, kp, vp, lens, table, cu)
+    out, ko, vo = k.write_and_attend(tq, tnk, tnv, tkp, tvp, tlens, ttable, tcu)
+    wk, wv = k.write_kv(tkp, tvp, tnk, tnv, tlens, ttable, tcu)
+    torch.testing.assert_close(ko, wk, rtol=0, atol=0)
+    torch.testing.assert_close(vo, wv, rtol=0, atol=0)
+    torch.testing.assert_close(out, k.ragged_paged_attention(tq, wk, wv, tlens, ttable, tcu), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="one row per query row"):
+        k.write_and_attend(tq, tnk[:-1], tnv[:-1], tkp, tvp, tlens, ttable, tcu)
 
 
 def test_lane_packed_shape_says_which_caches_have_one(load_kernel):

@@ -10,6 +10,9 @@
   tokens into their pages (the JAX kernel aliases the cache: in place under jit with donation; as a
   functional torch op it returns new caches); ``write_kv_`` updates the torch caches in place, writing
   only the new rows. Both quantize the new rows for a quantized cache (``quantize_kv``).
+* ``write_and_attend(q, new_k, new_v, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, ...)`` -> (out, k_pages',
+  v_pages'): ``write_kv`` then ``ragged_paged_attention`` in one kernel (functional torch op, like ``write_kv``;
+  ``pallas.fuses_write`` says which caches take one kernel, the rest take the two calls).
 * ``paged_attention_forward``: the transformers attention function for continuous batching,
   ``enable_continuous_batching()``: registers it (see CARD.md).
 """
@@ -33,6 +36,11 @@ def _fake_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens
     return torch.empty_like(k_pages), torch.empty_like(v_pages)
 
 
+def _fake_write_and_attend(q, new_k, new_v, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=0.0,
+                           window=0, softcap=0.0, block_q=0, block_kv=8192, k_scale=None, v_scale=None):
+    return torch.empty_like(q), torch.empty_like(k_pages), torch.empty_like(v_pages)
+
+
 def _quantize_kv(x: jax.Array, scale: jax.Array, dtype: str) -> jax.Array:
     return pallas.quantize(x, scale, jnp.dtype(dtype))
 
@@ -51,6 +59,9 @@ ragged_paged_attention = jax_op(add_op_namespace_prefix("ragged_paged_attention"
                                 fake=_fake_attention, validate=pallas.validate)
 write_kv = jax_op(add_op_namespace_prefix("write_kv"), pallas.write_kv, fake=_fake_write,
                   returns=tuple[torch.Tensor, torch.Tensor], validate=pallas.validate_write)
+write_and_attend = jax_op(add_op_namespace_prefix("write_and_attend"), pallas.write_and_attend,
+                          fake=_fake_write_and_attend, returns=tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                          validate=pallas.validate_write_and_attend)
 quantize_kv = jax_op(add_op_namespace_prefix("quantize_kv"), _quantize_kv,
                      fake=lambda x, scale, dtype: torch.empty(x.shape, dtype=getattr(torch, dtype), device=x.device),
                      validate=_validate_quantize)
@@ -107,5 +118,5 @@ def write_kv_(k_cache, v_cache, new_k, new_v, kv_lens, page_indices, cu_q_lens, 
 
 
 REGISTRATIONS = [{"registry": "paged_attention", "name": CB_NAME, "function": "paged_attention_forward"}]
-__all__ = ["ragged_paged_attention", "write_kv", "write_kv_", "quantize_kv", "paged_attention_forward",
+__all__ = ["ragged_paged_attention", "write_kv", "write_kv_", "write_and_attend", "quantize_kv", "paged_attention_forward",
            "enable_continuous_batching", "CB_NAME", "pallas"]

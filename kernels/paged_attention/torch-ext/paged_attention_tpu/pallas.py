@@ -25,6 +25,9 @@ KV head is computed from them, so GQA never repeats K/V; a head's keys are one s
 (``_head_rows``), not a per-token shuffle. The page table stays in HBM and each item copies its own
 row into SMEM (a 256-sequence x 32k-token table does not fit in 1 MiB of SMEM).
 Queries are regrouped by the wrapper to [Hkv, T*G, D] (G = Hq/Hkv) so each head's block is 2-D.
+``write_and_attend`` runs the KV write in the same kernel: a chunk copies from the pages only the tokens
+before its sequence's new ones and takes those from new_k/new_v (so no read waits on a write), and the
+item's own new rows go from VMEM to their pages while it computes, waited before the slot is refilled.
 Row blocks of a prefill chunk (128 or 256 rows) run keys-major on v6e and TPU7x (``_keys_major``): keys on
 sublanes and rows on lanes, the softmax denominator summed by the MXU beside P @ V, the masked keys near
 the causal diagonal in blocks of MASKED_KEYS; a decode item's block (one sublane tile) keeps rows on sublanes.
@@ -100,6 +103,9 @@ PIPELINE_LAG = {"v5e": (0, 1), "v6e": (1, 1), "tpu7x": (1, 2), None: (1, 1)}
 # blocks): page 16 629.1 / 396.3 / 326.6 -> 640.5 / 359.7 / 279.5, page 128 629.4 / 353.4 / 273.8 -> 645.8 /
 # 329.9 / 226.7. v5e (no bf16 VPU) keeps rows on sublanes.
 KEYS_MAJOR_CHIPS = ("v6e", "tpu7x", None)
+# Chips whose DMA into SMEM takes a page-table row of any length. Elsewhere (v5e: only multiples of 512 bytes,
+# 128 int32; an unknown chip) the rows are padded to 128 entries, an XLA op before the kernel.
+SMEM_DMA_ANY_LENGTH_CHIPS = ("v6e", "tpu7x")
 
 
 # --------------------------------------------------------------------------- validation
@@ -290,7 +296,11 @@ def _searchsorted_right(sorted_values, x):
 
 
 def sanitize_cu(cu_q_lens, t):
-    """Cumulative lengths clipped to [0, T] and made non-decreasing: device-side safety, no OOB tiles."""
+    """Cumulative lengths clipped to [0, T] and made non-decreasing: device-side safety, no OOB tiles.
+    Values on the host (a serving loop's metadata, a constant under jit) are sanitized there: no XLA op."""
+    host = host_values(cu_q_lens)
+    if host is not None:
+        return jnp.asarray(np.maximum.accumulate(np.clip(host.astype(np.int64), 0, t)).astype(np.int32))
     cu = jnp.clip(cu_q_lens.astype(jnp.int32), 0, t)
     n = cu.shape[0]
     if n * n > ONE_HOT_LIMIT:
@@ -330,6 +340,15 @@ def _powers_of_two(limit: int) -> list[int]:
     return [1 << i for i in reversed(range(max(limit, 1).bit_length()))]
 
 
+def _start_pieces(count, limit: int, start):
+    """Start a copy of ``count`` units (traced, at most ``limit``) as one copy per power of two in it, the
+    larger first: ``start(at, b)`` copies units at .. at + b - 1 (b static: DMA sizes are static)."""
+    for b in _powers_of_two(limit):
+        @pl.when(jnp.bitwise_and(count, b) != 0)
+        def _(b=b):
+            start(jnp.bitwise_and(count, ~(2 * b - 1)), b)
+
+
 def _wait_units(count, limit: int, wait):
     """Wait for ``count`` (traced, at most ``limit``) units of copies. A DMA semaphore counts what has
     arrived, so the waits need not match the copies one to one: ``wait(b)`` (a wait b units long: it
@@ -345,14 +364,19 @@ def _div(a, b):
 
 
 def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
-            q_ref, table_hbm, k_hbm, v_hbm,  # inputs, then sinks [Hq] (has_sinks) and scales [2 Hkv] (quantized)
-            *refs,  # the output block [Hkv, R, D], then scratch
+            q_ref, table_hbm, k_hbm, v_hbm,  # inputs; then new K/V rows [T * Hkv, D] (write), sinks [Hq] (has_sinks),
+            *refs,  # scales [2 Hkv] (quantized); the output block [Hkv, R, D], the caches (write); scratch
             pps, scale, window, softcap, block_q, group, pages_per_block, block_sizes, has_sinks, quantized,
-            e4m3_b11, lag, keys_major, exp_dtype):
+            e4m3_b11, lag, keys_major, exp_dtype, write):
+    new_k_hbm, new_v_hbm = refs[:2] if write else (None, None)
+    refs = refs[2 * write:]
     sinks_ref = refs[0] if has_sinks else None
     scales_ref = refs[has_sinks] if quantized else None
-    o_ref, table_smem, state, kbuf, vbuf, sems, table_sems, m_ref, l_ref, acc_ref, *major = refs[has_sinks + quantized:]
-    mt_ref, acct_ref = major or (None, None)  # the state of keys-major row blocks (``_keys_major``)
+    o_ref, *refs = refs[has_sinks + quantized:]
+    k_out, v_out = refs[:2] if write else (None, None)  # the caches again (aliased): the new rows go there
+    table_smem, state, kbuf, vbuf, sems, table_sems, m_ref, l_ref, acc_ref, *extra = refs[2 * write:]
+    mt_ref, acct_ref = extra[:2] if keys_major else (None, None)  # keys-major row blocks' state (``_keys_major``)
+    write_sems = extra[-1] if write else None  # the cache writes' semaphores [K/V, slot]
 
     def is_major(size):  # the large row blocks, when keys-major
         return keys_major and size == block_sizes[-1]
@@ -362,6 +386,7 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
     hkv, rows, d = o_ref.shape
     stride = table_smem.shape[0] // 2  # table_smem holds two page-table rows
     chunk = pages_per_block * page
+    new_tokens = new_k_hbm.shape[0] // hkv if write else 0  # rows of new_k/new_v: T
     sub = SUB_BLOCK if chunk % SUB_BLOCK == 0 else chunk  # keys per score block: a chunk's last is partly past the end
 
     def plan(tile, s):
@@ -386,25 +411,75 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
         return pltpu.make_async_copy(table_hbm.at[s], table_smem.at[pl.ds(row * stride, table_hbm.shape[1])],
                                      table_sems.at[row])
 
+    def page_id(at):  # table_smem[at] clamped into [0, num_pages) (a negative one read as a large unsigned)
+        return jax.lax.bitcast_convert_type(
+            jnp.minimum(jax.lax.bitcast_convert_type(table_smem[at], jnp.uint32), num_pages - 1), jnp.int32)
+
     def start_pages(it_plan, row, c, slot):
-        """Start the K and V copies of chunk c's pages of an item into ``slot``, one DMA per page."""
+        """Start the K and V copies of chunk c's pages of an item into ``slot``, one DMA per page. With write,
+        a page's tokens from the sequence's first new one on come from new_k/new_v instead."""
         # pages started: [p0, end_page); a table_smem row has at least pages_per_block entries of slack
         # past pps, so every read below is in bounds
         p0 = jnp.minimum(it_plan["first_page"] + c * pages_per_block, pps)
         at = row * stride + p0
         n = it_plan["end_page"] - p0
+        offset = it_plan["offset"] if write else None
         for j in range(pages_per_block):
-            # a page id out of [0, num_pages) (a negative one read as a large unsigned) -> the last page
-            pid = jax.lax.bitcast_convert_type(
-                jnp.minimum(jax.lax.bitcast_convert_type(table_smem[at + j], jnp.uint32), num_pages - 1), jnp.int32)
+            pid = page_id(at + j)
 
-            @pl.when(j < n)
+            @pl.when((j < n) & ((p0 + j + 1) * page <= offset) if write else j < n)
             def _():
                 for src, dst, sem in ((k_hbm, kbuf, sems.at[0, slot]), (v_hbm, vbuf, sems.at[1, slot])):
                     pltpu.make_async_copy(src.at[pid], dst.at[slot, pl.ds(j * page * hkv, page * hkv)], sem).start()
+        if not write:
+            return
+        # the page holding the first new token, up to it
+        col = _div(jnp.maximum(offset, 0), page)
+        part, j = offset - col * page, col - p0
+
+        @pl.when((part > 0) & (j >= 0) & (j < jnp.minimum(n, pages_per_block)))
+        def _():
+            pid = page_id(row * stride + col)
+
+            def piece(at, size):
+                for src, dst, sem in ((k_hbm, kbuf, sems.at[0, slot]), (v_hbm, vbuf, sems.at[1, slot])):
+                    pltpu.make_async_copy(src.at[pid, pl.ds(at * hkv, size * hkv)],
+                                          dst.at[slot, pl.ds((j * page + at) * hkv, size * hkv)], sem).start()
+            _start_pieces(part, page - 1, piece)
+
+        # the new tokens the chunk holds, from new_k/new_v
+        a, b, _ = new_span(it_plan, p0, n)
+
+        def piece(at, size):
+            src_row = (it_plan["q_start"] + a - offset + at) * hkv
+            for src, dst, sem in ((new_k_hbm, kbuf, sems.at[0, slot]), (new_v_hbm, vbuf, sems.at[1, slot])):
+                pltpu.make_async_copy(src.at[pl.ds(src_row, size * hkv)],
+                                      dst.at[slot, pl.ds((a - p0 * page + at) * hkv, size * hkv)], sem).start()
+        _start_pieces(b - a, min(chunk, new_tokens), piece)
+
+    def new_span(it_plan, p0, n):
+        """Positions [a, b) of the sequence's new tokens that the chunk of pages [p0, p0 + n) holds and the item
+        sees, and how many tokens before them the chunk copies from the cache (write)."""
+        start, end = p0 * page, (p0 + jnp.clip(n, 0, pages_per_block)) * page
+        a = jnp.maximum(it_plan["offset"], start)
+        b = jnp.maximum(jnp.minimum(it_plan["kv_end"], end), a)
+        return a, b, jnp.clip(it_plan["offset"], start, end) - start
+
+    def wait_tokens(sem_of, slot):
+        def wait(b):  # ``_wait_units``: b tokens of K and of V
+            for i, buf in enumerate((kbuf, vbuf)):
+                rows = buf.at[slot, pl.ds(0, b * hkv)]
+                pltpu.make_async_copy(rows, rows, sem_of(i)).wait()
+        return wait
 
     def wait_pages(it_plan, c, slot):
-        """Wait for chunk c's pages (``_wait_units``, a unit a page)."""
+        """Wait for chunk c's pages (``_wait_units``, a unit a page; with write a token)."""
+        if write:
+            p0 = jnp.minimum(it_plan["first_page"] + c * pages_per_block, pps)
+            a, b, cached = new_span(it_plan, p0, it_plan["end_page"] - p0)
+            _wait_units(cached + b - a, chunk, wait_tokens(lambda i: sems.at[i, slot], slot))
+            return
+
         def wait(b):
             for buf, sem in ((kbuf, sems.at[0, slot]), (vbuf, sems.at[1, slot])):
                 pages = buf.at[slot, pl.ds(0, b * page * hkv)]
@@ -413,16 +488,51 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
         n = jnp.clip(it_plan["end_page"] - it_plan["first_page"] - c * pages_per_block, 0, pages_per_block)
         _wait_units(n, pages_per_block, wait)
 
+    def write_rows(it_plan, row, c, slot):
+        """Start the copies of the item's own new rows in chunk c (in VMEM ``slot``) to their cache pages, a
+        page at a time (a page id out of [0, num_pages): not written, as ``write_kv``); they fly until the
+        slot is refilled (``wait_writes``)."""
+        p0 = jnp.minimum(it_plan["first_page"] + c * pages_per_block, pps)
+        start = p0 * page
+        end = (p0 + jnp.clip(it_plan["end_page"] - p0, 0, pages_per_block)) * page
+        first = it_plan["offset"] + it_plan["lo"] - it_plan["q_start"]  # positions of the item's rows
+        a = jnp.clip(first, start, end)
+        b = jnp.clip(first + it_plan["hi"] - it_plan["lo"], a, end)
+
+        def page_rows(p, count):
+            lo_p, hi_p = jnp.maximum(a, p * page), jnp.minimum(b, p * page + page)
+            pid = table_smem[row * stride + p]
+            ok = (pid >= 0) & (pid < num_pages)
+
+            @pl.when(ok)
+            def _():
+                def piece(at, size):
+                    for buf, dst, sem in ((kbuf, k_out, write_sems.at[0, slot]), (vbuf, v_out, write_sems.at[1, slot])):
+                        pltpu.make_async_copy(buf.at[slot, pl.ds((lo_p - start + at) * hkv, size * hkv)],
+                                              dst.at[pid, pl.ds((lo_p - p * page + at) * hkv, size * hkv)], sem).start()
+                _start_pieces(hi_p - lo_p, min(page, new_tokens), piece)
+            return count + jnp.where(ok, hi_p - lo_p, 0)
+
+        state[PENDING + slot] = jax.lax.fori_loop(_div(a, page), _div(b + page - 1, page), page_rows, 0)
+
+    def wait_writes(slot):
+        """Wait for the cache writes from VMEM ``slot`` (before it is refilled, and at the end)."""
+        _wait_units(state[PENDING + slot], chunk, wait_tokens(lambda i: write_sems.at[i, slot], slot))
+        state[PENDING + slot] = 0
+
     # State carried from item to item (the grid runs in order, each tile's items in a loop): which
     # table_smem row holds this item's page-table row, which K/V slot its first chunk goes to, and the
     # item (tile, sequence) whose first chunk (and table row) the previous item already fetched: an
     # item's first chunk is prefetched while the previous item computes its last, so no item waits
     # for its first DMA.
-    ROW, SLOT, PF_TILE, PF_SEQ = 0, 1, 2, 3
+    # With write, PENDING + slot counts the tokens still being copied from VMEM slot to the cache.
+    ROW, SLOT, PF_TILE, PF_SEQ, PENDING = 0, 1, 2, 3, 4
 
     @pl.when(tile == 0)
     def _init():
         state[ROW], state[SLOT], state[PF_TILE], state[PF_SEQ] = 0, 0, -1, -1
+        if write:
+            state[PENDING], state[PENDING + 1] = 0, 0
 
     o_ref[...] = jnp.zeros_like(o_ref)  # rows no sequence owns (padding) stay 0
 
@@ -522,17 +632,22 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
 
             @pl.when(jnp.logical_not(last) | has_next)
             def _():
-                target = {k: jnp.where(last, nxt_plan[k], me[k]) for k in ("first_page", "end_page")}
+                if write:
+                    wait_writes(slot)
+                keys = ("first_page", "end_page") + (("offset", "kv_end", "q_start") if write else ())
+                target = {k: jnp.where(last, nxt_plan[k], me[k]) for k in keys}
                 start_pages(target, jnp.where(last, 1 - row, row), jnp.where(last, 0, c + 1), slot)
 
             @pl.when(c >= 0)
             def _():
-                compute_chunk(c, 1 - slot)
+                compute_chunk(c, 1 - slot, row)
 
             return carry
 
-        def compute_chunk(c, slot):
+        def compute_chunk(c, slot, row):
             wait_pages(me, c, slot)
+            if write:
+                write_rows(me, row, c, slot)
             chunk_start = (first_page + c * pages_per_block) * page
             itemsize = kbuf.dtype.itemsize
 
@@ -657,6 +772,12 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
 
     # A tile's items are a loop in its grid step (not a step each): sequences seq_lo..seq_hi-1 have rows in it.
     jax.lax.fori_loop(seq_lo, seq_hi, attend, 0)
+
+    if write:
+        @pl.when(tile == num_tiles - 1)
+        def _():
+            wait_writes(0)
+            wait_writes(1)
 
 
 def _word_runs(hkv: int, itemsize: int) -> int:
@@ -785,6 +906,69 @@ def ragged_paged_attention(
              k_scale, v_scale)
     if q.size == 0 or k_pages.size == 0 or page_indices.size == 0:
         return jnp.zeros(q.shape, q.dtype)
+    return _attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks, scale, window, softcap, block_q,
+                      block_kv, k_scale, v_scale)
+
+
+def write_and_attend(
+    q: jax.Array,
+    new_k: jax.Array,
+    new_v: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    kv_lens: jax.Array,
+    page_indices: jax.Array,
+    cu_q_lens: jax.Array,
+    sinks: jax.Array | None = None,
+    scale: float = 0.0,
+    window: int = 0,
+    softcap: float = 0.0,
+    block_q: int = 0,
+    block_kv: int = 8192,
+    k_scale: jax.Array | None = None,
+    v_scale: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``write_kv`` then ``ragged_paged_attention`` in one kernel: (out [T, Hq, D], k_pages', v_pages').
+
+    The kernel reads each chunk's cached tokens from the pages and the sequence's new ones from
+    new_k/new_v, and copies the new rows from VMEM to their pages while it computes (the caches are
+    aliased outputs: in place under jit with donated caches). Same arguments and rules as the two
+    (new_k/new_v [T, Hkv, D] like q's rows; a quantized cache gets them quantized). A cache whose
+    token rows split a packed 32-bit word (``fuses_write``: one KV head of bf16, fewer than four of a
+    1-byte dtype) takes the two calls."""
+    validate_write_and_attend(q, new_k, new_v, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks, scale, window,
+                              softcap, block_q, block_kv, k_scale, v_scale)
+    if not fuses_write(k_pages):
+        k_pages, v_pages = write_kv(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens, k_scale, v_scale)
+        return ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks, scale, window,
+                                      softcap, block_q, block_kv, k_scale, v_scale), k_pages, v_pages
+    if q.size == 0 or k_pages.size == 0 or page_indices.size == 0:
+        return jnp.zeros(q.shape, q.dtype), k_pages, v_pages
+    if k_scale is not None:
+        new_k, new_v = quantize(new_k, k_scale, k_pages.dtype), quantize(new_v, v_scale, v_pages.dtype)
+    return _attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks, scale, window, softcap, block_q,
+                      block_kv, k_scale, v_scale, new_kv=(new_k, new_v))
+
+
+def validate_write_and_attend(q, new_k, new_v, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=0.0,
+                              window=0, softcap=0.0, block_q=0, block_kv=8192, k_scale=None, v_scale=None):
+    """``validate`` and ``validate_write``, and one new K/V row per query row."""
+    validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks, scale, window, softcap, block_q, block_kv,
+             k_scale, v_scale)
+    validate_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens, k_scale, v_scale)
+    if new_k.shape[0] != q.shape[0]:
+        raise ValueError(f"new_k/new_v must have one row per query row ({q.shape[0]}), got {new_k.shape[0]}")
+
+
+def fuses_write(k_pages) -> bool:
+    """Whether ``write_and_attend`` runs as one kernel for this cache: its token rows ([Hkv, D] per token) must
+    be whole 32-bit words of rows, so that DMAs of single tokens stay on packed-row boundaries (Mosaic)."""
+    return k_pages.shape[2] * jnp.dtype(k_pages.dtype).itemsize % 4 == 0
+
+
+def _attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks, scale, window, softcap, block_q, block_kv,
+               k_scale, v_scale, new_kv=None):
+    """The attention call (validated, non-empty); with ``new_kv`` the fused write: (out, k_pages, v_pages)."""
     t, hq, d = q.shape
     # The kernel sees a cache row as one head of ``width`` lanes; a lane-packed row holds ``pack`` KV heads
     # (``kv_heads``), so its q heads are pack * G (the same q-head order).
@@ -804,9 +988,9 @@ def ragged_paged_attention(
                                                 keys_major) > KV_VMEM_BUDGET:
         pages_per_block //= 2
     num_tiles = max(1, pl.cdiv(t, bq))
-    # Each item copies its page-table row into SMEM: v5e's DMA takes a slice of an SMEM buffer only in
-    # multiples of 512 bytes, so the rows are padded to 128 entries (the kernel reads only the first pps).
-    pps_pad = _round_up(pps, 128)
+    # Each item copies its page-table row into SMEM (padded to 128 entries unless ``SMEM_DMA_ANY_LENGTH_CHIPS``;
+    # the kernel reads the first pps).
+    pps_pad = pps if current_chip() in SMEM_DMA_ANY_LENGTH_CHIPS else _round_up(pps, 128)
     table = jnp.pad(page_indices.astype(jnp.int32), ((0, 0), (0, pps_pad - pps)))
     t_pad = num_tiles * bq
 
@@ -824,28 +1008,32 @@ def ragged_paged_attention(
     smem_operands = ([sinks.astype(jnp.float32)] if sinks is not None else []) + (
         [jnp.concatenate([k_scale, v_scale]).astype(jnp.float32)] if quantized else [])
 
+    write = new_kv is not None
+    new_rows = [x.reshape(t * hkv, width) for x in new_kv] if write else []  # lane-packed: a row per head group
     major_state = [pltpu.VMEM((hkv, 1, rows), jnp.float32), pltpu.VMEM((hkv, width + am.ONES_ROWS, rows), jnp.float32)]
     kernel = functools.partial(
         _kernel, pps=pps, scale=am.resolve_scale(scale, d), window=int(window), softcap=float(softcap), block_q=bq, group=group,
         pages_per_block=pages_per_block, block_sizes=block_sizes, has_sinks=sinks is not None,
         quantized=quantized, e4m3_b11=quantized and k_pages.dtype == jnp.float8_e4m3fn and reads_e4m3_as_b11(),
         lag=PIPELINE_LAG.get(current_chip(), PIPELINE_LAG[None]), keys_major=keys_major,
-        exp_dtype=am.exp_dtype(q.dtype, current_chip()))
+        exp_dtype=am.exp_dtype(q.dtype, current_chip()), write=write)
 
     block = pl.BlockSpec((hkv, rows, width), lambda i, *_: (0, i, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     vmem = vmem_estimate(rows, hkv, width, page, pages_per_block, k_pages.dtype, keys_major)
-    out = pl.pallas_call(
+    kv_shape = (num_pages, page * hkv, width)  # the kernel's view of a cache: a page is page * Hkv dense rows
+    caches = (jax.ShapeDtypeStruct(kv_shape, k_pages.dtype),) * 2 if write else ()
+    out, *caches = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((hkv, t_pad * group, width), q.dtype),
+        out_shape=(jax.ShapeDtypeStruct((hkv, t_pad * group, width), q.dtype), *caches),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(num_tiles,),
-            in_specs=[block, any_spec, any_spec, any_spec] + [pl.BlockSpec(memory_space=pltpu.SMEM)] * len(smem_operands),
-            out_specs=block,
+            in_specs=[block] + [any_spec] * (3 + 2 * write) + [pl.BlockSpec(memory_space=pltpu.SMEM)] * len(smem_operands),
+            out_specs=(block,) + (any_spec,) * len(caches),
             scratch_shapes=[
                 pltpu.SMEM((2 * (pps_pad + _round_up(pages_per_block, 128)),), jnp.int32),  # this item's, the next's
-                pltpu.SMEM((4,), jnp.int32),  # state carried between items (ROW, SLOT, PF_TILE, PF_SEQ)
+                pltpu.SMEM((6,), jnp.int32),  # state carried between items (ROW, SLOT, PF_TILE, PF_SEQ, PENDING x 2)
                 pltpu.VMEM((2, pages_per_block * page * hkv, width), k_pages.dtype),
                 pltpu.VMEM((2, pages_per_block * page * hkv, width), v_pages.dtype),
                 pltpu.SemaphoreType.DMA((2, 2)),
@@ -854,8 +1042,10 @@ def ragged_paged_attention(
                 pltpu.VMEM((hkv, rows, 1), jnp.float32),
                 pltpu.VMEM((hkv, rows, width), jnp.float32),
                 *(major_state if keys_major else []),
+                *([pltpu.SemaphoreType.DMA((2, 2))] if write else []),  # cache writes: [K/V, slot]
             ],
         ),
+        input_output_aliases={4: 1, 5: 2} if write else {},  # operands: kv_lens, cu, q, table, k_pages, v_pages, ...
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary",),
             vmem_limit_bytes=int(min(max(32 * MiB, 1.5 * vmem), 60 * MiB)),
@@ -864,14 +1054,14 @@ def ragged_paged_attention(
             disable_bounds_checks=True,
         ),
         name="ragged_paged_attention",
-    )(kv_lens.astype(jnp.int32), cu, qg, table, *(in_hbm(x.reshape(num_pages, page * hkv, width)) for x in (k_pages, v_pages)),
-      *smem_operands)
+    )(kv_lens.astype(jnp.int32), cu, qg, table, *(in_hbm(x.reshape(kv_shape)) for x in (k_pages, v_pages)),
+      *(in_hbm(x) for x in new_rows), *smem_operands)
     out = out.reshape(hkv, t_pad, group, width)
     if pack > 1:  # p . row = [p . v_0 | p . v_1 | ...]: each q head keeps its own KV head's lanes
         out = out.reshape(hkv, t_pad, pack, group // pack, width)
         out = jnp.concatenate([out[:, :, e:e + 1, :, e * d:(e + 1) * d] for e in range(pack)], axis=2)
-    out = out.reshape(hkv, t_pad, group, d).transpose(1, 0, 2, 3).reshape(t_pad, hq, d)
-    return out[:t]
+    out = out.reshape(hkv, t_pad, group, d).transpose(1, 0, 2, 3).reshape(t_pad, hq, d)[:t]
+    return (out, *(x.reshape(k_pages.shape) for x in caches)) if write else out
 
 
 # --------------------------------------------------------------------------- reference
@@ -992,12 +1182,10 @@ def _write_kernel(pid_ref, off_ref, run_ref, new_k, new_v, k_in, v_in, k_out, v_
     pairs = ((new_k, k_out, sems.at[0]), (new_v, v_out, sems.at[1]))
 
     def start(r, p, o, n):  # new rows r .. r + n - 1 -> rows o .. o + n - 1 of page p
-        for b in _powers_of_two(max_run):
-            @pl.when(jnp.bitwise_and(n, b) != 0)
-            def _(b=b):
-                at = jnp.bitwise_and(n, ~(2 * b - 1))  # the rows of the larger powers come first
-                for src, dst, sem in pairs:
-                    pltpu.make_async_copy(src.at[pl.ds(r + at, b)], dst.at[p, pl.ds(o + at, b)], sem).start()
+        def piece(at, b):
+            for src, dst, sem in pairs:
+                pltpu.make_async_copy(src.at[pl.ds(r + at, b)], dst.at[p, pl.ds(o + at, b)], sem).start()
+        _start_pieces(n, max_run, piece)
 
     def wait_rows(b):
         for src, _, sem in pairs:
