@@ -729,6 +729,7 @@ FUSED_CASES = {  # name: (q_lens, kv_lens, make_case kwargs, kernel static kwarg
     "lane_packed_d64": ([1, 37, 0, 1, 5], [300, 37, 3, 129, 90], dict(hq=16, hkv=4, d=64, dtype=jnp.bfloat16),
                         dict(block_q=16), None),
     "two_calls_bf16_one_head": ([1, 9, 1], [20, 9, 33], dict(hq=2, hkv=1, dtype=jnp.bfloat16), {}, None),
+    "two_calls_nine_sequences": ([1] * 8 + [5], [3, 17, 40, 16, 33, 5, 64, 2, 30], dict(hkv=2), {}, None),
 }
 
 

@@ -106,6 +106,11 @@ KEYS_MAJOR_CHIPS = ("v6e", "tpu7x", None)
 # Chips whose DMA into SMEM takes a page-table row of any length. Elsewhere (v5e: only multiples of 512 bytes,
 # 128 int32; an unknown chip) the rows are padded to 128 entries, an XLA op before the kernel.
 SMEM_DMA_ANY_LENGTH_CHIPS = ("v6e", "tpu7x")
+# write_and_attend runs one kernel for up to this many sequences, the two calls above: the fused write's per-item
+# copies and waits (power-of-two pieces) cost more than the separate write_kv call once there are many items. Cost
+# model v2, layer us v5e / v6e / TPU7x, one kernel vs two calls: Qwen3 decode B=1 8.7 / 6.2 / 5.7 vs 12.4 / 10.4 / 10.4,
+# B=8 58.2 / 33.2 / 27.4 vs 60.6 / 35.2 / 29.7, B=64 page 16 459.4 / 250.2 / 197.9 vs 450.1 / 232.8 / 179.1.
+FUSED_WRITE_MAX_SEQS = 8
 
 
 # --------------------------------------------------------------------------- validation
@@ -933,12 +938,12 @@ def write_and_attend(
     The kernel reads each chunk's cached tokens from the pages and the sequence's new ones from
     new_k/new_v, and copies the new rows from VMEM to their pages while it computes (the caches are
     aliased outputs: in place under jit with donated caches). Same arguments and rules as the two
-    (new_k/new_v [T, Hkv, D] like q's rows; a quantized cache gets them quantized). A cache whose
-    token rows split a packed 32-bit word (``fuses_write``: one KV head of bf16, fewer than four of a
-    1-byte dtype) takes the two calls."""
+    (new_k/new_v [T, Hkv, D] like q's rows; a quantized cache gets them quantized). More than
+    FUSED_WRITE_MAX_SEQS sequences, or a cache whose token rows split a packed 32-bit word (``fuses_write``:
+    one KV head of bf16, fewer than four of a 1-byte dtype), take the two calls."""
     validate_write_and_attend(q, new_k, new_v, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks, scale, window,
                               softcap, block_q, block_kv, k_scale, v_scale)
-    if not fuses_write(k_pages):
+    if not fuses_write(k_pages) or page_indices.shape[0] > FUSED_WRITE_MAX_SEQS:
         k_pages, v_pages = write_kv(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens, k_scale, v_scale)
         return ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks, scale, window,
                                       softcap, block_q, block_kv, k_scale, v_scale), k_pages, v_pages
