@@ -412,6 +412,13 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
         return dict(tile_start=tile_start, q_start=q_start, lo=lo, hi=hi, offset=offset, kv_end=kv_end,
                     first_page=first_page, end_page=end_page, num_chunks=num_chunks)
 
+    def chunk_span(it_plan, c):
+        """Chunk c of an item: its first page p0, its pages n (none past the item's end) and their token
+        positions [start, end)."""
+        p0 = jnp.minimum(it_plan["first_page"] + c * pages_per_block, pps)
+        n = jnp.clip(it_plan["end_page"] - p0, 0, pages_per_block)
+        return p0, n, p0 * page, (p0 + n) * page
+
     def table_copy(s, row):  # sequence s's page-table row (padded) -> table_smem[row * stride:]
         return pltpu.make_async_copy(table_hbm.at[s], table_smem.at[pl.ds(row * stride, table_hbm.shape[1])],
                                      table_sems.at[row])
@@ -423,11 +430,10 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
     def start_pages(it_plan, row, c, slot):
         """Start the K and V copies of chunk c's pages of an item into ``slot``, one DMA per page. With write,
         a page's tokens from the sequence's first new one on come from new_k/new_v instead."""
-        # pages started: [p0, end_page); a table_smem row has at least pages_per_block entries of slack
+        # pages started: [p0, p0 + n); a table_smem row has at least pages_per_block entries of slack
         # past pps, so every read below is in bounds
-        p0 = jnp.minimum(it_plan["first_page"] + c * pages_per_block, pps)
+        p0, n, _, _ = chunk_span(it_plan, c)
         at = row * stride + p0
-        n = it_plan["end_page"] - p0
         offset = it_plan["offset"] if write else None
         for j in range(pages_per_block):
             pid = page_id(at + j)
@@ -442,7 +448,7 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
         col = _div(jnp.maximum(offset, 0), page)
         part, j = offset - col * page, col - p0
 
-        @pl.when((part > 0) & (j >= 0) & (j < jnp.minimum(n, pages_per_block)))
+        @pl.when((part > 0) & (j >= 0) & (j < n))
         def _():
             pid = page_id(row * stride + col)
 
@@ -453,7 +459,7 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
             _start_pieces(part, page - 1, piece)
 
         # the new tokens the chunk holds, from new_k/new_v
-        a, b, _ = new_span(it_plan, p0, n)
+        a, b, _ = new_span(it_plan, c)
 
         def piece(at, size):
             src_row = (it_plan["q_start"] + a - offset + at) * hkv
@@ -462,10 +468,10 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
                                       dst.at[slot, pl.ds((a - p0 * page + at) * hkv, size * hkv)], sem).start()
         _start_pieces(b - a, min(chunk, new_tokens), piece)
 
-    def new_span(it_plan, p0, n):
-        """Positions [a, b) of the sequence's new tokens that the chunk of pages [p0, p0 + n) holds and the item
-        sees, and how many tokens before them the chunk copies from the cache (write)."""
-        start, end = p0 * page, (p0 + jnp.clip(n, 0, pages_per_block)) * page
+    def new_span(it_plan, c):
+        """Positions [a, b) of the sequence's new tokens that chunk c holds and the item sees, and how many
+        tokens before them the chunk copies from the cache (write)."""
+        _, _, start, end = chunk_span(it_plan, c)
         a = jnp.maximum(it_plan["offset"], start)
         b = jnp.maximum(jnp.minimum(it_plan["kv_end"], end), a)
         return a, b, jnp.clip(it_plan["offset"], start, end) - start
@@ -480,8 +486,7 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
     def wait_pages(it_plan, c, slot):
         """Wait for chunk c's pages (``_wait_units``, a unit a page; with write a token)."""
         if write:
-            p0 = jnp.minimum(it_plan["first_page"] + c * pages_per_block, pps)
-            a, b, cached = new_span(it_plan, p0, it_plan["end_page"] - p0)
+            a, b, cached = new_span(it_plan, c)
             _wait_units(cached + b - a, chunk, wait_tokens(lambda i: sems.at[i, slot], slot))
             return
 
@@ -490,16 +495,13 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
                 pages = buf.at[slot, pl.ds(0, b * page * hkv)]
                 pltpu.make_async_copy(pages, pages, sem).wait()
 
-        n = jnp.clip(it_plan["end_page"] - it_plan["first_page"] - c * pages_per_block, 0, pages_per_block)
-        _wait_units(n, pages_per_block, wait)
+        _wait_units(chunk_span(it_plan, c)[1], pages_per_block, wait)
 
     def write_rows(it_plan, row, c, slot):
         """Start the copies of the item's own new rows in chunk c (in VMEM ``slot``) to their cache pages, a
         page at a time (a page id out of [0, num_pages): not written, as ``write_kv``); they fly until the
         slot is refilled (``wait_writes``)."""
-        p0 = jnp.minimum(it_plan["first_page"] + c * pages_per_block, pps)
-        start = p0 * page
-        end = (p0 + jnp.clip(it_plan["end_page"] - p0, 0, pages_per_block)) * page
+        _, _, start, end = chunk_span(it_plan, c)
         first = it_plan["offset"] + it_plan["lo"] - it_plan["q_start"]  # positions of the item's rows
         a = jnp.clip(first, start, end)
         b = jnp.clip(first + it_plan["hi"] - it_plan["lo"], a, end)
@@ -555,7 +557,7 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
     def attend(s, carry):
         me = plan(tile, s)
         tile_start, q_start, lo, hi = me["tile_start"], me["q_start"], me["lo"], me["hi"]
-        offset, kv_end, first_page, num_chunks = me["offset"], me["kv_end"], me["first_page"], me["num_chunks"]
+        offset, kv_end, num_chunks = me["offset"], me["kv_end"], me["num_chunks"]
         row, base = state[ROW], state[SLOT]
         prefetched = (state[PF_TILE] == tile) & (state[PF_SEQ] == s)
 
@@ -653,7 +655,7 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
             wait_pages(me, c, slot)
             if write:
                 write_rows(me, row, c, slot)
-            chunk_start = (first_page + c * pages_per_block) * page
+            chunk_start = chunk_span(me, c)[2]
             itemsize = kbuf.dtype.itemsize
 
             def compute_block(size, j, carry):
