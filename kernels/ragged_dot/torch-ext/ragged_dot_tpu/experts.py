@@ -223,11 +223,13 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
         y = pallas.gmm(inter, down_proj, None, row_groups=row_groups, transposed=transposed, bias=down_bias,
                        out_dtype=wdt, rhs_scale=down_scale)
     # unsort by gathering each (token, k) row back, weight in the promoted dtype (as grouped_mm),
-    # sum over k in f32: one XLA fusion reading y once, no [S, H] temporary
+    # sum over k in f32: one XLA fusion reading y once, no [S, H] temporary. The rows come back k-major,
+    # [k, T, H]: splitting the leading dim keeps TPU's (8, 128) tiling, where [T, k, H] with k < 8 (GPT-OSS:
+    # 4) is a relayout XLA materializes in f32 (at 8192 tokens on v6e 345 us of a 4820 us layer).
     inverse = jnp.argsort(order)  # a sort: a scatter of T*k indices is far slower on TPU (257 against 24 us at 64k)
     prod = jnp.promote_types(y.dtype, top_k_weights.dtype)
-    rows = y[inverse].reshape(t, k, h).astype(prod)
-    out = (rows * top_k_weights[:, :, None].astype(prod)).astype(jnp.float32).sum(axis=1)
+    rows = y[inverse.reshape(t, k).T.reshape(-1)].reshape(k, t, h).astype(prod)
+    out = (rows * top_k_weights.T[:, :, None].astype(prod)).astype(jnp.float32).sum(axis=0)
     return out.astype(hidden_states.dtype)
 
 
