@@ -64,12 +64,14 @@ def configs(kernel):
             out.append(Config(f"{model} experts T={t} (bucket {tb})", X.experts, _experts_specs(tb, h, e, k, i),
                               dict(activation=act)))
     # GPT-OSS-20B: transposed, interleaved gate/up with biases, clamped swiglu, bf16 routing weights
+    # (64 tokens: decode-sized row chunks; 2048: 256 rows an expert, 128-row chunks of 512-row tiles)
     h, e, k, i = 2880, 32, 4, 2880
-    out.append(Config(
-        "gpt-oss-20b experts T=64", X.experts,
-        (S((64, h), BF16), S((64, k), jnp.int32), S((64, k), BF16), S((e, h, 2 * i), BF16), S((e, i, h), BF16),
-         S((e, 2 * i), BF16), S((e, h), BF16)),
-        dict(activation="swiglu_oai", alpha=1.702, limit=7.0, is_transposed=True, interleaved=True)))
+    for t in (64, 2048):
+        out.append(Config(
+            f"gpt-oss-20b experts T={t}", X.experts,
+            (S((t, h), BF16), S((t, k), jnp.int32), S((t, k), BF16), S((e, h, 2 * i), BF16), S((e, i, h), BF16),
+             S((e, 2 * i), BF16), S((e, h), BF16)),
+            dict(activation="swiglu_oai", alpha=1.702, limit=7.0, is_transposed=True, interleaved=True)))
     # Quantized experts: dequantized in VMEM, bf16 MXU (the FP8 path transformers' FP8Experts takes)
     def quantized(x, ids, w, gu, dn, gus, dns, activation="silu"):
         return X.experts(x, ids, w, gu, dn, activation=activation, gate_up_scale=gus, down_scale=dns)
