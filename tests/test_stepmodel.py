@@ -62,6 +62,27 @@ def test_skipped_matmuls_skip_their_gated_bundles():
     assert t.seconds(0) == pytest.approx((10 + 3 * 1000 + 5 * 100) / c.clock_hz)
 
 
+def test_alternative_matmul_regions_are_charged_for_the_path_a_step_runs():
+    """Alternatives inlined in one level (``pl.when`` regions: masked and unmasked tiles, flash attention's
+    pipelined pair of heads) all sit in the compiled level, a step runs one: the flops of the level's dots,
+    each once (``level_flops``), say what share of its vmatmuls and gated bundles a step issued. Without
+    them (an anchor counted from its source) the busiest step's flops set that scale, as before."""
+    mm = 2 * 16 * 256 * 256 * 8  # one path: 8 vmatmuls, 4 on each MXU; the level compiles two such paths
+    steps = [_step(4, flops=(mm,)), _step(2, flops=(0,))]
+    prog = _program([_loop(8, own=1000, vmatmul=8, gated=900)])
+    t = stepmodel.call_time(_call(steps, level_flops=(2 * mm,)), prog, "v6e")
+    ran, skipped = sorted(t.steps, key=lambda s: -s.issue_cycles)
+    assert (ran.issue_cycles, ran.mxu_cycles) == (100 + 900 / 2, 8 * 8 / 2)
+    assert (skipped.issue_cycles, skipped.mxu_cycles) == (100, 0)
+    assert t.breakdown()["mxu_efficiency"] == pytest.approx(1.0)
+    old = stepmodel.call_time(_call(steps), prog, "v6e")
+    assert max(s.mxu_cycles for s in old.steps) == 64 and old.breakdown()["mxu_efficiency"] == pytest.approx(0.5)
+    # the same two paths inside a one-trip loop (no loop once compiled: its dots belong to the step)
+    folded = _call([_step(4, flops=(0, mm), iterations=(1,)), _step(2, flops=(0, 0), iterations=(1,))],
+                   [LoopInfo(None, 1, False)], level_flops=(0, 2 * mm))
+    assert max(s.mxu_cycles for s in stepmodel.call_time(folded, prog, "v6e").steps) == 32
+
+
 def test_each_dma_loop_iteration_is_a_step():
     c = chips.chip("v5e")
     loops = [LoopInfo(None, None, True)]  # a while loop starting copies: paged attention's page loop

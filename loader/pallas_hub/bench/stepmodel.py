@@ -11,9 +11,10 @@ Inputs, for one program on one chip:
 * the XLA ops around the kernels (``compiled.entry_ops``), and the chip (``_chips``).
 
 Model. A loop level's compute time is max(issue, MXU) cycles at the chip clock: issue = bundles
-executed (the gated part in proportion to the flops its dots executed), MXU = vmatmul per MXU x
-cycles per vmatmul (in the same proportion). A grid step costs ``max(DMA, compute + overhead)``,
-DMA = bytes / bandwidth of the blocks it moves and the copies it starts: the DMA engine moves the
+executed (the gated part in proportion to the flops its dots executed, out of those of all the dots
+compiled into the level: inlined alternatives, e.g. masked and unmasked tiles, are not all run),
+MXU = vmatmul per MXU x cycles per vmatmul (in the same proportion). A grid step costs
+``max(DMA, compute + overhead)``, DMA = bytes / bandwidth of the blocks it moves and the copies it starts: the DMA engine moves the
 next step's blocks while the core computes and pays the per-step cost. Each iteration of a DMA
 loop inside a step (a loop whose iterations start copies: paged attention, emit_pipeline) is a
 step of its own, costed the same way. An XLA op costs ``max(bytes / bandwidth, bundles / clock) +
@@ -276,6 +277,19 @@ def call_time(call: CallCost, program: dict | None, chip: str) -> CallTime:
     # a level's matmul work when all of it runs: the most flops one iteration executed in any step
     # (a level's dots may be alternatives, e.g. masked and unmasked branches: not their sum)
     per_iter = [0.0] * n_levels
+    # ... and at least the flops of all the dots compiled into the level, each once (``level_flops``; a loop
+    # folded into it times its static trips): alternatives inlined in one level (pl.when regions, e.g. masked
+    # and unmasked tiles) all sit in its vmatmuls and gated bundles, while a step runs one of them
+    compiled_flops = [0.0] * n_levels
+    known = [True] * n_levels  # False: a loop with a run-time trip count was unrolled into the level
+    trips_to_home = [1] * n_levels  # a folded loop: its static trips times those of its folded parents
+    for lv in range(1, n_levels):
+        if home(lv) != lv:
+            t = call.loops[lv - 1].static_trips
+            known[home(lv)] &= t is not None
+            trips_to_home[lv] = (t or 1) * (trips_to_home[parent[lv]] if home(parent[lv]) == home(lv) else 1)
+    for lv, f in enumerate(call.level_flops):
+        compiled_flops[home(lv)] += f * trips_to_home[lv]
     executed = []
     for st in call.step_types:
         iters = [1] + list(st.iterations)
@@ -286,6 +300,9 @@ def call_time(call: CallCost, program: dict | None, chip: str) -> CallTime:
         for lv in j.levels:
             if iters[lv]:
                 per_iter[lv] = max(per_iter[lv], exec_flops[lv] / iters[lv])
+    for lv in j.levels:
+        if known[lv]:
+            per_iter[lv] = max(per_iter[lv], compiled_flops[lv])
     steps, issued, vm_flops = [], 0.0, 0.0
     for st, iters, exec_flops in executed:
         issue = [0.0] * n_levels  # cycles per owner
