@@ -88,6 +88,17 @@ def test_chip_forward_bf16(fa, chip, blocks):
     _check_forward(fa, 1, 8, 2, 1100, 1100, 128, dtype=jnp.bfloat16, use_sinks=True, chip=chip, **blocks)
 
 
+@pytest.mark.parametrize("chip,hq,hkv", [("v6e", 16, 2), ("tpu7x", 16, 1)])
+def test_whole_group_pipelined_forward(fa, chip, hq, hkv):
+    """v6e / TPU7x pipeline the whole KV group (G = 8, 16) in one iteration of the head loop; its heads
+    stay distinct: ragged blocks, padding on both sides, causal diagonal and sinks against the reference."""
+    g = hq // hkv
+    assert fa.pallas._heads_per_iteration(g, chip) == g
+    assert fa.pallas._heads_per_iteration(g, "v5e") == 4 and fa.pallas._heads_per_iteration(6, "v5e") == 2
+    _check_forward(fa, 2, hq, hkv, 260, 300, 128, dtype=jnp.bfloat16, use_sinks=True, chip=chip, block_q=128,
+                   block_k=256, seq=[[0, 300, 260], [20, 290, 200]])
+
+
 GRADS = [  # ragged blocks, GQA, window, soft-cap, sinks, padding; MQA decode
     (2, 8, 2, 140, 300, 128, dict(window=50, softcap=5.0, use_sinks=True, seq=[[3, 290, 140], [0, 300, 12]],
                                   block_k=256)),  # ragged, chunked, 2 key tiles per K/V block

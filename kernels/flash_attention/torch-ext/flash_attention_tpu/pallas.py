@@ -67,12 +67,17 @@ CHIP_BLOCKS = {
 }
 
 
-def _heads_per_iteration(groups: int) -> int:
-    """Query heads one iteration of the keys-major head loop pipelines: 4 where they divide G, else 2, else
-    1. Measured with the cost model (Qwen3 8k causal, layer us v5e / v6e / TPU7x): 2 heads in program order
-    4015 / 1954 / 1460, 4 pipelined 3836 / 1852 / 1356; 2 pipelined gain about half as much. Gemma-3 (G = 2,
-    one trip, inlined): pipelined, its compiled step is 64621 / 23766 / 21596 bundles against 64823 / 26374
-    / 22099 in program order; a loop of 1 head (2 trips) would take 66988 / 27894 / 23789."""
+def _heads_per_iteration(groups: int, chip: str) -> int:
+    """Query heads one iteration of the keys-major head loop pipelines. v6e / TPU7x: the whole KV group
+    (up to 16), one basic block the scheduler fills end to end; v5e (and unknown chips): 4 where they
+    divide G, else 2, else 1. Measured with the cost model (causal prefill, layer us v5e / v6e / TPU7x):
+    Qwen3 8k (G = 8) 4 heads 3836 / 1852 / 1356, 8 heads 4164 / 1791 / 1326; Qwen3-235B 8k (G = 16) 4
+    heads 7555 / 3609 / 2630, 8 heads 7483 / 3561 / 2551, 16 heads (v6e / TPU7x) 3506 / 2568, at 2k 4
+    heads 326.5 / 251.3, 16 heads 310.7 / 232.3. Earlier, on every chip: 2 heads in program order 4015 /
+    1954 / 1460 against 4 pipelined 3836 / 1852 / 1356 (Qwen3 8k); Gemma-3 (G = 2, one trip, inlined)
+    pipelined 64621 / 23766 / 21596 bundles a step against 64823 / 26374 / 22099 in program order."""
+    if chip in ("v6e", "tpu7x") and groups <= 16:
+        return groups
     return next((n for n in (4, 2) if groups % n == 0), 1)
 
 
@@ -287,7 +292,7 @@ def _keys_major(bq):
 
 
 def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups, bq, bk, bkc, sk, d, scale, causal,
-                window, softcap, has_sinks, has_mask, with_lse, exp_dtype):
+                window, softcap, has_sinks, has_mask, with_lse, exp_dtype, heads_per_iteration):
     refs = list(refs)
     sinks_ref = refs.pop(0) if has_sinks else None
     q_ref, k_ref, v_ref = refs[:3]
@@ -338,7 +343,7 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
             # The G query heads of this KV group share the K/V tile. Keys-major, `per` heads an iteration
             # as a software pipeline: head j + 1's scores are issued before head j's softmax step, so the
             # scheduler runs one head's matmuls under another's vector work (one basic block).
-            per = _heads_per_iteration(groups) if keys_major else 1
+            per = heads_per_iteration if keys_major else 1
 
             def heads(i, carry):
                 if not keys_major:  # one head an iteration
@@ -549,7 +554,7 @@ def _forward(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap, block
     kernel = functools.partial(
         _fwd_kernel, n_items=n_items, groups=g, bq=bq, bk=bk, bkc=_compute_tile(bq, bk), sk=sk, d=d, scale=scale,
         causal=causal, window=window, softcap=softcap, has_sinks=sinks is not None, has_mask=mask is not None,
-        with_lse=with_lse, exp_dtype=am.exp_dtype(q.dtype, chip))
+        with_lse=with_lse, exp_dtype=am.exp_dtype(q.dtype, chip), heads_per_iteration=_heads_per_iteration(g, chip))
     outs = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
