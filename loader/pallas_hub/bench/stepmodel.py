@@ -14,13 +14,14 @@ Model. A loop level's compute time is max(issue, MXU) cycles at the chip clock: 
 executed (the gated part in proportion to the flops its dots executed, out of those of all the dots
 compiled into the level: inlined alternatives, e.g. masked and unmasked tiles, are not all run),
 MXU = vmatmul per MXU x cycles per vmatmul (in the same proportion). A grid step costs
-``max(DMA, compute + overhead)``, DMA = bytes / bandwidth of the blocks it moves and the copies it starts: the DMA engine moves the
-next step's blocks while the core computes and pays the per-step cost. Each iteration of a DMA
-loop inside a step (a loop whose iterations start copies: paged attention, emit_pipeline) is a
-step of its own, costed the same way. An XLA op costs ``max(bytes / bandwidth, bundles / clock) +
-overhead``. The program is the sum. ``overhead`` is the one constant nothing here can measure:
-results are given at 0, 0.35 and 0.7 us. (Fitted to libtpu's own static estimate of small-block
-Pallas matmuls, this form charges about 0.18 us per step on v6e and 0.37 us on v5e: ``bench.validate``.)
+``max(DMA, compute + overhead)``, DMA = bytes / bandwidth of the blocks it moves and the copies it
+starts: the DMA engine moves the next step's blocks while the core computes and pays the per-step
+cost. Each iteration of a DMA loop inside a step (a loop whose iterations start copies: paged
+attention, emit_pipeline) is a step of its own, costed the same way. An XLA op costs
+``max(bytes / bandwidth, bundles / clock) + overhead``. The program is the sum. ``overhead`` is
+the one constant nothing here can measure: results are given at 0, 0.35 and 0.7 us. (Fitted to
+libtpu's own static estimate of small-block Pallas matmuls, this form charges about 0.18 us per
+step on v6e and 0.37 us on v5e: ``bench.validate``.)
 
 Joining the two views: the kernel's loops (jaxpr ``scan``/``while``, in program order) are matched
 to the compiled loops (in address order) level by level, by trip count (a static trip count must
@@ -274,12 +275,12 @@ def call_time(call: CallCost, program: dict | None, chip: str) -> CallTime:
     def home(level):  # the compiled level holding this cost level
         return j.folded.get(level, level)
 
-    # a level's matmul work when all of it runs: the most flops one iteration executed in any step
-    # (a level's dots may be alternatives, e.g. masked and unmasked branches: not their sum)
+    # a level's matmul work when all of it runs: the flops of all the dots compiled into the level, each
+    # once (``level_flops``; a loop folded into it times its static trips), or the most one iteration
+    # executed in any step where that is larger or the level's dots are unknown. Alternatives inlined in
+    # one level (pl.when regions, e.g. masked and unmasked tiles) all sit in its vmatmuls and gated
+    # bundles, while a step runs one of them.
     per_iter = [0.0] * n_levels
-    # ... and at least the flops of all the dots compiled into the level, each once (``level_flops``; a loop
-    # folded into it times its static trips): alternatives inlined in one level (pl.when regions, e.g. masked
-    # and unmasked tiles) all sit in its vmatmuls and gated bundles, while a step runs one of them
     compiled_flops = [0.0] * n_levels
     known = [True] * n_levels  # False: a loop with a run-time trip count was unrolled into the level
     trips_to_home = [1] * n_levels  # a folded loop: its static trips times those of its folded parents

@@ -144,8 +144,8 @@ def _for_group_rows(lo, hi, *, tm: int, chunk: int, sub: int, body):
 def gmm_chunk_rows(m: int, groups: int, tm: int) -> int:
     """gmm's rows per iteration at row tile tm: groups shorter than the tile (on average) in chunks of
     ``group_chunk_rows``, so only the chunks holding a group's rows go through the MXU; groups as long as
-    the tile as one pass over it (each chunk pushes the weight block through the MXU again). Measured
-    with the cost model (GPT-OSS-20B, 2880 x 5760 gate_up and 2880 x 2880 down at 32 experts, layer us
+    the tile or longer in one pass per tile (each chunk pushes the weight block through the MXU again).
+    Measured with the cost model (GPT-OSS-20B, 2880 x 5760 gate_up and 2880 x 2880 down at 32 experts, layer us
     v6e / TPU7x): 2048 tokens (256 rows an expert, 512-row tiles) whole tiles 1959 / 1267, 128-row
     chunks 1677 / 1166, 256-row chunks 1722 / 1197; 8192 tokens (1024 rows) whole tiles 4820 / 3236,
     128-row chunks 5583 / 3638."""
