@@ -64,7 +64,8 @@ def configs(kernel):
             out.append(Config(f"{model} experts T={t} (bucket {tb})", X.experts, _experts_specs(tb, h, e, k, i),
                               dict(activation=act)))
     # GPT-OSS-20B: transposed, interleaved gate/up with biases, clamped swiglu, bf16 routing weights
-    # (64 tokens: decode-sized row chunks; 2048: 256 rows an expert, 128-row chunks of 512-row tiles)
+    # (64 tokens: the fused kernel in tiles of the intermediate, decode-sized row chunks; 2048: 256 rows an
+    # expert, the fused kernel in 960-unit tiles on v6e, two grouped matmuls on v5e and TPU7x)
     h, e, k, i = 2880, 32, 4, 2880
     for t in (64, 2048):
         out.append(Config(

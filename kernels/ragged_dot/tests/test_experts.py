@@ -192,6 +192,35 @@ def test_experts_op_with_gpt_oss_widths_in_concatenated_layout(kern):
                                    ALL_EXPERTS_FUNCTIONS["grouped_mm"](mod, x, idx, w), rtol=1e-4, atol=1e-4)
 
 
+def test_gpt_oss_experts_in_intermediate_tiles(kern, monkeypatch):
+    """GPT-OSS's interleaved, biased experts in the fused kernel a tile of the intermediate at a time (as
+    experts too big for VMEM whole take it: 960 of 2880 units on v6e), here 64 of 192 units; compared
+    with transformers' grouped_mm on the same module."""
+    C, M, extra = FAMILIES["gpt_oss"]
+    model = M._from_config(C(**{**COMMON, **extra, "hidden_size": 128, "intermediate_size": 192}),
+                           experts_implementation="grouped_mm")
+    mod = next(m for m in model.modules() if hasattr(m, "gate_up_proj"))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in mod.parameters():
+            p.copy_(0.1 * torch.randn_like(p))
+    tilings = []
+
+    def tiled(m, h, i, **kw):  # the chosen tiling, then its intermediate split in three
+        tm, chunk, _ = real(m, h, i, **kw)
+        tilings.append((kw["interleaved"], i, 64))
+        return tm, chunk, 64
+
+    real = kern.pallas.fused_moe_tiling
+    monkeypatch.setattr(kern.pallas, "fused_moe_tiling", tiled)
+    with torch.no_grad():
+        x = torch.randn(23, 128)  # 46 rows over 8 experts: past the decode path, a shape no other test traces
+        idx, w = _routing(23, 8, 2, seed=7)
+        torch.testing.assert_close(kern.experts_forward(mod, x, idx, w),
+                                   ALL_EXPERTS_FUNCTIONS["grouped_mm"](mod, x, idx, w), rtol=1e-4, atol=1e-4)
+    assert tilings == [(True, 192, 64)]
+
+
 def test_no_tokens_give_an_empty_output(kern):
     """An empty batch (e.g. an expert-parallel rank that received no tokens) gives [0, H], as grouped_mm."""
     mod = _qwen3_experts(kern)

@@ -462,6 +462,80 @@ def test_fused_moe_matches_reference(load_kernel, mode, i, down_t, tm, chunk, si
     assert not np.asarray(out)[sum(sizes):].any()
 
 
+def _gpt_oss_reference(x, gu, gu_b, dn, dn_b, sizes, alpha=1.702, limit=7.0):
+    """Per group, GPT-OSS's expert MLP in f32: gate / up in alternate columns of x @ gu + b ([E, H, 2I]),
+    clamped swiglu, (up + 1) * gate * sigmoid(alpha * gate), then @ dn ([E, I, H]) + b."""
+    out = jnp.zeros((x.shape[0], dn.shape[2]), jnp.float32)
+    start = 0
+    for g, n in enumerate(sizes):
+        y = x[start:start + n].astype(jnp.float32) @ gu[g] + gu_b[g]
+        gate, up = jnp.minimum(y[:, 0::2], limit), jnp.clip(y[:, 1::2], -limit, limit)
+        out = out.at[start:start + n].set(((up + 1) * gate * jax.nn.sigmoid(alpha * gate)) @ dn[g] + dn_b[g])
+        start += n
+    return out
+
+
+@pytest.mark.parametrize("mode,layout,i,ti,tm,chunk,sizes", [
+    # [gate; up] halves in transformers' layout, 2 tiles of 128 (down [E, H, I]: tiles in its lanes)
+    ("fast", "halves", 256, 128, 64, 32, [17, 43, 0, 3, 2, 30]),
+    # GPT-OSS: interleaved [E, H, 2I] with biases, 3 tiles of 64 units (128 interleaved lanes); a group
+    # crossing the 64-row tile boundary, empty groups, tail rows
+    ("fast", "interleaved", 192, 64, 64, 32, [5, 0, 70, 0, 3, 9]),
+    ("fast", "interleaved", 192, 192, 64, 32, [5, 0, 70, 0, 3, 9]),  # whole slabs, the same code
+    pytest.param("strict", "interleaved", 192, 64, 32, 16, [5, 0, 40, 0, 3, 9], marks=pytest.mark.strict_interpret),
+    pytest.param("strict", "halves", 256, 128, 64, 32, [17, 43, 0, 3, 2, 30], marks=pytest.mark.strict_interpret)])
+def test_fused_moe_intermediate_tiles(load_kernel, mode, layout, i, ti, tm, chunk, sizes):
+    """Experts too big for VMEM whole take their slabs ti intermediate units at a time, the down products
+    summed in f32 scratch: against the f32 reference per group."""
+    P = load_kernel("ragged_dot").pallas
+    h, m = 128, max(120, sum(sizes) + 9)
+    ks = jax.random.split(jax.random.key(5), 5)
+    x = jax.random.normal(ks[0], (m, h))
+    if layout == "halves":
+        gu = 0.1 * jax.random.normal(ks[1], (len(sizes), 2 * i, h))
+        dn = 0.1 * jax.random.normal(ks[2], (len(sizes), h, i))
+        with interpret(mode):
+            out = P.fused_moe(x, gu, dn, jnp.array(sizes, jnp.int32), tm=tm, chunk=chunk, ti=ti)
+        ref = _mlp_reference(x, gu, dn, sizes)
+    else:
+        gu = 0.1 * jax.random.normal(ks[1], (len(sizes), h, 2 * i))
+        dn = 0.1 * jax.random.normal(ks[2], (len(sizes), i, h))
+        gu_b, dn_b = (0.5 * jax.random.normal(k, (len(sizes), n)) for k, n in ((ks[3], 2 * i), (ks[4], h)))
+        with interpret(mode):
+            out = P.fused_moe(x, gu, dn, jnp.array(sizes, jnp.int32), transposed=False, interleaved=True,
+                              activation="swiglu_oai", gate_up_bias=gu_b, down_bias=dn_b, tm=tm, chunk=chunk, ti=ti)
+        ref = _gpt_oss_reference(x, gu, gu_b, dn, dn_b, sizes)
+    assert not np.isnan(np.asarray(out)).any()
+    _close(out, ref, 1e-4)
+    assert not np.asarray(out)[sum(sizes):].any()
+    with pytest.raises(ValueError, match="ti=96 must divide"):
+        P.fused_moe(x, gu, dn, jnp.array(sizes, jnp.int32), tm=tm, chunk=chunk, ti=96,
+                    **({} if layout == "halves" else dict(transposed=False, interleaved=True)))
+
+
+def test_fused_moe_tiles_the_intermediate_where_the_layer_waits_on_weights(load_kernel):
+    """GPT-OSS-20B (H = I = 2880 bf16, 32 experts, top-4, [E, H, 2I] interleaved): too big for VMEM whole
+    on every chip, so tiles of the intermediate that fit 512-row tiles or longer, widest first, while the
+    layer is bound by its weights' DMA (``TILED_MOE_RIDGE``); two gmm calls (None) once it is compute-bound.
+    Quantized weights never tile."""
+    P = load_kernel("ragged_dot").pallas
+
+    def tiling(tokens, chip, **kw):
+        return P.fused_moe_tiling(tokens * 4, 2880, 2880, in_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, chip=chip,
+                                  transposed=False, interleaved=True, groups=32, down_transposed=False, **kw)
+
+    assert P.moe_intermediate_tiles(2880, transposed=False, down_transposed=False, interleaved=True) == [
+        2880, 960, 576, 320, 192, 64]  # 2ti lanes a multiple of 128
+    assert (tiling(256, "v5e"), tiling(256, "v6e"), tiling(256, "tpu7x")) == (
+        (512, 64, 960), (512, 64, 960), (512, 64, 576))
+    assert (tiling(2048, "v5e"), tiling(2048, "v6e"), tiling(2048, "tpu7x")) == (None, (1024, 256, 960), None)
+    assert tiling(8192, "v6e") is None
+    assert tiling(64, "v6e", w_dtype=jnp.int8) is None
+    # Qwen3-30B-A3B's experts fit whole everywhere: unchanged by the rule
+    assert P.fused_moe_tiling(8192, 2048, 768, in_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, chip="tpu7x",
+                              groups=128)[2] == 768
+
+
 def test_fused_moe_takes_long_chunks_where_they_measured_faster(load_kernel):
     """256-row chunks for experts averaging more than LONG_CHUNK_ROWS rows on 256-wide MXUs (Qwen3-30B-A3B's
     shapes: 8192 and 2048 tokens x top-8 over 128 experts), 128 on v5e, chunks fitted to the average group up
@@ -478,7 +552,7 @@ def test_fused_moe_takes_long_chunks_where_they_measured_faster(load_kernel):
     assert (chunk(16384, "v5e"), chunk(16384, "v6e"), chunk(16384, "tpu7x")) == (160, 160, 160)
     assert chunk(128 * (P.FITTED_CHUNK_ROWS + 1), "v6e") == 256
     assert P.fused_moe_tiling(65536, 4096, 512, in_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, chip="tpu7x",
-                              groups=128) == (256, 128)
+                              groups=128) == (256, 128, 512)
 
 
 def test_fused_moe_takes_long_tiles_for_long_layers(load_kernel):

@@ -174,19 +174,22 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
     wdt = hidden_states.dtype if quantized else gate_up_proj.dtype  # compute dtype
     transposed = not is_transposed  # transformers' [E, out, in] is our rhs_transposed layout
     inter_size = down_proj.shape[2] if transposed else down_proj.shape[1]
-    # the whole expert MLP in one kernel (the intermediate never leaves VMEM) when each expert's slabs fit.
-    # (GPT-OSS's interleaved layout takes the two-kernel path: XLA:CPU's interpreter rejects one of its
-    # bf16 dots inside this kernel, "DotThunk ... BF16 x BF16 = F32", so it is not verified.)
-    fused = implementation == "pallas" and not interleaved and not pallas.is_mxfp4(gate_up_proj) and \
-        pallas.fused_moe_tiling(t * k, h, inter_size, in_dtype=wdt, out_dtype=wdt, transposed=transposed,
-                                w_dtype=gate_up_proj.dtype, groups=e) is not None
+    # the whole expert MLP in one kernel (the intermediate never leaves VMEM) when each expert's slabs fit,
+    # whole or a tile of the intermediate at a time
     down, down_t = down_proj, transposed
-    if fused and transposed and inter_size % 128 and h % 128 == 0 and not quantized:
+    if transposed and inter_size % 128 and h % 128 == 0 and not quantized:
         # TPU's default layout of [E, H, I] with I off the 128-lane grid is minor-to-major
         # {1,2,0}, i.e. physically [E, I, H]: take that view (a layout bitcast, no copy) rather
         # than have XLA relayout the whole weight for the kernel (Gemma-4: I = 704).
         down, down_t = jnp.swapaxes(down_proj, 1, 2), False
-    if fused and t <= pallas.DECODE_TOKENS and gate_up_bias is None and down_bias is None:
+    tiling = None if implementation != "pallas" or pallas.is_mxfp4(gate_up_proj) else pallas.fused_moe_tiling(
+        t * k, h, inter_size, in_dtype=wdt, out_dtype=wdt, transposed=transposed, interleaved=interleaved,
+        w_dtype=gate_up_proj.dtype, groups=e, down_transposed=down_t)
+    fused = tiling is not None
+    if not fused:
+        down, down_t = down_proj, transposed
+    whole = fused and tiling[2] == inter_size
+    if whole and t <= pallas.DECODE_TOKENS and gate_up_bias is None and down_bias is None and not interleaved:
         # decode: routing, weighting and the top-k sum inside the kernel too (no gathers or unsort around it)
         return pallas.decode_moe(hidden_states.astype(wdt), gate_up_proj, down, top_k_index, top_k_weights,
                                  transposed=transposed, down_transposed=down_t, activation=activation, alpha=alpha,
@@ -212,11 +215,12 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
         valid = (jnp.arange(x.shape[0]) < group_sizes.sum())[:, None]
         y = jnp.where(valid, y, 0)  # tokamax leaves rows past sum(group_sizes) uninitialised
     elif fused:
+        tm, chunk, ti = tiling
         y = pallas.fused_moe(x, gate_up_proj, down, None, row_groups=row_groups, transposed=transposed, activation=activation,
                              interleaved=interleaved, alpha=alpha, limit=limit, gate_up_bias=gate_up_bias,
                              down_bias=down_bias, out_dtype=wdt, down_transposed=down_t,
-                             gate_up_scale=gate_up_scale, down_scale=down_scale)
-    else:  # experts too large for VMEM whole (e.g. GPT-OSS-20B on TPU7x): two grouped matmuls
+                             gate_up_scale=gate_up_scale, down_scale=down_scale, tm=tm, chunk=chunk, ti=ti)
+    else:  # experts no tile of which fits VMEM, MXFP4 weights: two grouped matmuls
         inter = pallas.gmm(x, gate_up_proj, None, row_groups=row_groups, transposed=transposed, activation=activation,
                            interleaved=interleaved, alpha=alpha, limit=limit, bias=gate_up_bias, out_dtype=wdt,
                            rhs_scale=gate_up_scale)

@@ -1006,12 +1006,14 @@ def reference(lhs, rhs, group_sizes, rhs_transposed=False, out_dtype=None):
 # --------------------------------------------------------------------------- fused expert MLP
 
 def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, x_ref, *refs, tm, chunk, num_groups,
-                transposed, down_transposed, activation, interleaved, alpha, limit, has_bias, quant):
+                transposed, down_transposed, activation, interleaved, alpha, limit, has_bias, quant, i_tiles):
     del fetch_tile
     n_w = 1 if interleaved else 2
     w_refs, d_ref = refs[:n_w], refs[n_w]
     b_refs, db_ref = (refs[n_w + 1:2 * n_w + 1], refs[2 * n_w + 1]) if has_bias else ((), None)
-    i = pl.program_id(0)
+    if i_tiles > 1:  # the down products of the intermediate's tiles add up in f32 scratch (unquantized only)
+        refs, acc_ref = refs[:-1], refs[-1]
+    i, j = pl.program_id(0), pl.program_id(1)
     grp, tile = item_group[i], item_tile[i]
     col_scales, d_scale = [None, None], None
     # each slab's value as the MXU takes it: read from VMEM, or (quantized) dequantized to x's dtype
@@ -1045,13 +1047,23 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, x_ref, *
     dims = _dims(transposed)
     ddims = _dims(down_transposed)
 
-    @pl.when(first)
+    @pl.when(jnp.logical_and(first, j == 0))
     def _zero():  # the tile's rows no group of its items writes stay zero
         out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
     @pl.when(grp < num_groups)
     def _compute():
         start, end = bounds[i], bounds[i + 1]
+
+        def finish(y, r0):  # the rows' whole down product, f32
+            if d_scale is not None:
+                y = y * d_scale()
+            if has_bias:
+                y = y + db_ref[...].astype(jnp.float32)
+            rows = pl.ds(r0, chunk)
+            r = tile * tm + r0 + lax.broadcasted_iota(jnp.int32, y.shape, 0)
+            mine = jnp.logical_and(r >= start, r < end)
+            out_ref[rows, :] = jnp.where(mine, y.astype(out_ref.dtype), out_ref[rows, :])
 
         def chunk_rows(r0):  # MXU work only for chunks holding rows of this group
             rows = pl.ds(r0, chunk)
@@ -1063,26 +1075,39 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, x_ref, *
             if interleaved:
                 ys = _deinterleave(ys[0])
             h = _activate(ys[0], ys[1], activation, alpha, limit).astype(mxu_dtype)
+            if interleaved:
+                # a branch the data always takes (start >= 0): XLA:CPU, running the kernel in interpret mode,
+                # would otherwise fold _deinterleave's last transpose into this dot's bf16 operand, which it
+                # cannot execute ("DotThunk ... BF16 x BF16 = F32"); on the TPU a scalar branch
+                h = lax.cond(start >= 0, lambda: h, lambda: jnp.zeros_like(h))
             y = lax.dot_general(h, down(), ddims, preferred_element_type=jnp.float32)
-            if d_scale is not None:
-                y = y * d_scale()
-            if has_bias:
-                y = y + db_ref[...].astype(jnp.float32)
-            r = tile * tm + r0 + lax.broadcasted_iota(jnp.int32, y.shape, 0)
-            mine = jnp.logical_and(r >= start, r < end)
-            out_ref[rows, :] = jnp.where(mine, y.astype(out_ref.dtype), out_ref[rows, :])
+            if i_tiles == 1:
+                return finish(y, r0)
+            # the rows' earlier tiles (scratch rows another item left are overwritten at its tile 0)
+            y = y + jnp.where(j > 0, acc_ref[rows, :], 0.0)
+
+            @pl.when(j < i_tiles - 1)
+            def _carry():
+                acc_ref[rows, :] = y
+
+            @pl.when(j == i_tiles - 1)
+            def _last():
+                finish(y, r0)
 
         _for_group_rows(jnp.clip(start - tile * tm, 0, tm), jnp.clip(end - tile * tm, 0, tm), tm=tm, chunk=chunk,
                         sub=_sublanes(x_ref.dtype), body=chunk_rows)
 
 
-def moe_vmem_bytes(tm, chunk, h, i, in_bytes, out_bytes, w_bytes=None):
-    """Double-buffered x, weight slabs and output, f32 temporaries; quantized weights (``w_bytes``
-    below ``in_bytes``) add their dequantized copy and the f32 temporaries of dequantizing."""
+def moe_vmem_bytes(tm, chunk, h, i, in_bytes, out_bytes, w_bytes=None, ti=None):
+    """Double-buffered x, weight slabs (``ti`` of the intermediate's i units at a time: then an f32
+    accumulator too) and output, f32 temporaries; quantized weights (``w_bytes`` below ``in_bytes``) add
+    their dequantized copy and the f32 temporaries of dequantizing."""
     w_bytes = in_bytes if w_bytes is None else w_bytes
+    ti = ti or i
     quant = 3 * h * i * in_bytes + 2 * 256 * max(h, i) * 4 if w_bytes < in_bytes else 0
-    return (2 * tm * h * in_bytes + 2 * 3 * h * i * w_bytes + 2 * tm * h * out_bytes
-            + chunk * (2 * i + i + h) * 4 * 2 + 8 * (2 * i + h) * 4 + quant)
+    acc = tm * h * 4 if ti < i else 0
+    return (2 * tm * h * in_bytes + 2 * 3 * h * ti * w_bytes + 2 * tm * h * out_bytes + acc
+            + chunk * (2 * ti + ti + h) * 4 * 2 + 8 * (2 * ti + h) * 4 + quant)
 
 
 def dequantize_in_dots(m: int, groups: int, chunk: int, w_dtype, chip: str | None) -> bool:
@@ -1119,15 +1144,40 @@ LONG_TILE_ROWS = 4096
 FITTED_CHUNK_ROWS = 192
 
 
+def moe_intermediate_tiles(i: int, *, transposed: bool, down_transposed: bool, interleaved: bool,
+                           sub: int = 16) -> list[int]:
+    """Widths ti that split the experts' intermediate into i / ti equal tiles the weights' blocks can take,
+    widest first (i itself: whole slabs). A tile's width sits in the lanes of gate_up's block when it is
+    [E, H, 2I] (2ti lanes interleaved, ti a half) and of down's when it is [E, H, I]: a multiple of 128
+    there, of the packed sublane tile elsewhere."""
+    lanes = [(2 if interleaved else 1, not transposed), (1, down_transposed)]
+    def ok(ti):
+        return all(mult * ti % (128 if lane else sub) == 0 for mult, lane in lanes)
+    return [i] + [ti for ti in range(i - 1, 0, -1) if i % ti == 0 and ok(ti)]
+
+
+# Intermediate tiles refetch an expert's weights for each row tile its rows span and run narrower dots
+# than whole slabs; two gmm calls move the [rows, I] intermediate through HBM instead. Measured with the
+# cost model on GPT-OSS-20B (bf16, H = I = 2880, 32 experts; layer us, two gmm calls -> tiled fused): v6e
+# 1 / 8 / 64 / 256 tokens 136.7 / 584.3 / 1043.6 / 1081.4 -> 130.8 / 559.4 / 988.0 / 1035.8, 2048 tokens
+# 1569.9 -> 1550.2; TPU7x 64 / 256 tokens 489.0 / 515.2 -> 445.5 / 476.7 but 2048 1079.9 -> 1176.0 (576-unit
+# tiles, 256-row tiles) or 1386.9 (320, 512), 8192 2928.4 -> 3058.0; v5e 2048 3652.0 -> 3808.5. So tiles
+# only where the MXU work per weight byte is under this fraction of the chip's flops per HBM byte (the
+# layer waits on its weights); compute-bound layers keep two gmm calls.
+TILED_MOE_RIDGE = 0.5
+
+
 def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True, interleaved=False,
-                     w_dtype=None, groups=None):
-    """(tm, chunk) for the fused expert MLP, or None when it does not fit (then use two gmm calls):
-    each expert's gate, up and down slabs must sit in VMEM whole, double-buffered (``w_dtype``:
-    quantized weights, also held dequantized); ``groups``: the number of experts (``group_chunk_rows``,
-    ``LONG_CHUNK_ROWS``, ``FITTED_CHUNK_ROWS``: chunks tried in turn until one fits). Tiles of 512 rows,
-    1024 above ``LONG_TILE_ROWS``, halved until they fit."""
+                     w_dtype=None, groups=None, down_transposed=None):
+    """(tm, chunk, ti) for the fused expert MLP, or None when it does not fit (then use two gmm calls):
+    each expert's gate, up and down slabs sit in VMEM double-buffered, whole (``ti`` = i) or, unquantized,
+    ti of the intermediate's i units at a time (``moe_intermediate_tiles``: the widest that fits 512-row
+    tiles). ``w_dtype``: quantized weights, also held dequantized; ``groups``: the number of experts
+    (``group_chunk_rows``, ``LONG_CHUNK_ROWS``, ``FITTED_CHUNK_ROWS``: chunks tried in turn until one
+    fits). Tiles of 512 rows, 1024 above ``LONG_TILE_ROWS``, halved until they fit."""
     spec = _chip(chip)
     sub = _sublanes(in_dtype)
+    down_transposed = transposed if down_transposed is None else down_transposed
     if not transposed and not interleaved and i % 128:
         return None  # [E, H, 2I] with a half width off the lane grid cannot be split in two blocks
     chunks = [group_chunk_rows(m, groups)]
@@ -1139,26 +1189,39 @@ def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True
         chunks.insert(0, _round_up(avg + 2 * sub, sub))
     budget = int(spec.vmem_bytes * 0.6)  # measured: Gemma-4 26B-A4B experts compile on TPU7x at this budget
     wb = jnp.dtype(w_dtype or in_dtype).itemsize
-    for chunk in chunks:
-        tm = min(1024 if m > LONG_TILE_ROWS else 512, _round_up(max(m, 1), sub))
-        chunk = min(tm, chunk)
-        need = lambda tm: moe_vmem_bytes(tm, chunk, h, i, jnp.dtype(in_dtype).itemsize, jnp.dtype(out_dtype).itemsize, wb)  # noqa: E731
-        while tm > chunk and need(tm) > budget:
-            tm = max(chunk, _round_up(tm // 2, sub))
-        if need(tm) <= budget:
-            return tm, chunk
+    widths = moe_intermediate_tiles(i, transposed=transposed, down_transposed=down_transposed,
+                                    interleaved=interleaved, sub=max(sub, 16))
+    if quantized or 2 * avg / wb > TILED_MOE_RIDGE * spec.peak_flops / spec.hbm_bandwidth:
+        widths = [i]  # whole slabs only: the layer is compute-bound (``TILED_MOE_RIDGE``)
+    tm0 = min(1024 if m > LONG_TILE_ROWS else 512, _round_up(max(m, 1), sub))
+    # whole slabs with row tiles halved as needed; else the widest intermediate tiles that fit rows tiles of
+    # 512 or more (shorter ones split more groups between tiles, each split refetching the expert's weights)
+    floor = min(tm0, 512)
+    for ti, least in [(i, 0)] + [(ti, floor) for ti in widths[1:]] + [(ti, 0) for ti in widths[1:]]:
+        for chunk in chunks:
+            chunk = min(tm0, chunk)
+            tm = tm0
+            need = lambda tm: moe_vmem_bytes(tm, chunk, h, i, jnp.dtype(in_dtype).itemsize,  # noqa: E731
+                                              jnp.dtype(out_dtype).itemsize, wb, ti)
+            while tm > max(chunk, least) and need(tm) > budget:
+                tm = max(chunk, least, _round_up(tm // 2, sub))
+            if need(tm) <= budget:
+                return tm, chunk, ti
     return None
 
 
 def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="silu", interleaved=False,
               alpha=1.702, limit=7.0, gate_up_bias=None, down_bias=None, out_dtype=None, tm=None, chunk=None,
-              chip=None, down_transposed=None, gate_up_scale=None, down_scale=None, in_dots=None, row_groups=None):
+              chip=None, down_transposed=None, gate_up_scale=None, down_scale=None, in_dots=None, row_groups=None,
+              ti=None):
     """down(act(x @ gate) * (x @ up)) per group in ONE kernel: the intermediate never leaves VMEM.
 
     x [m, H] (rows sorted by group), gate_up [g, 2I, H] / down [g, H, I] (``transposed``, the
     transformers layout) or [g, H, 2I] / [g, I, H]; rows past sum(group_sizes) are zero (``row_groups``
     [m], each row's group, g for none, replaces group_sizes: ``run_metadata``). One grid step per run of
-    a group's rows in an m-tile; each expert's three weight slabs are fetched once.
+    a group's rows in an m-tile; each expert's three weight slabs are fetched once. ``ti``: the slabs
+    come ti of the intermediate's I units at a time (one grid step each; ``moe_intermediate_tiles``), the
+    down products summed in f32 VMEM (an expert split between m-tiles is then fetched once per tile).
     ``down_transposed`` (default: ``transposed``) gives down's layout on its own.
     ``gate_up_scale`` / ``down_scale``: quantized weights (``QUANT_DTYPES``, transposed layout),
     dequantized to x's dtype in VMEM once per expert, or inside each chunk's dots (``in_dots``; default
@@ -1170,61 +1233,74 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     i = (gate_up.shape[1] if transposed else gate_up.shape[2]) // 2
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if tm is None or chunk is None:
-        tm, chunk = fused_moe_tiling(m, h, i, in_dtype=x.dtype, out_dtype=out_dtype, chip=chip,
-                                     transposed=transposed, interleaved=interleaved, w_dtype=gate_up.dtype,
-                                     groups=g)
+        tiling = fused_moe_tiling(m, h, i, in_dtype=x.dtype, out_dtype=out_dtype, chip=chip,
+                                  transposed=transposed, interleaved=interleaved, w_dtype=gate_up.dtype,
+                                  groups=g, down_transposed=down_transposed)
+        if tiling is None:
+            raise ValueError(f"fused_moe: experts of {h} x {i} fit VMEM in no tiling; use gmm")
+        tm, chunk, ti = tiling[0], tiling[1], ti or tiling[2]
+    ti = ti or i
     sub = _sublanes(x.dtype)
     if tm % sub or chunk % sub or chunk > tm:
         raise ValueError(f"fused_moe: tm={tm} and chunk={chunk} must be multiples of {sub} (x is {x.dtype}), "
                          "chunk at most tm")
+    if ti not in moe_intermediate_tiles(i, transposed=transposed, down_transposed=down_transposed,
+                                        interleaved=interleaved, sub=max(sub, 16)):
+        raise ValueError(f"fused_moe: ti={ti} must divide the intermediate size {i} and fit the weights' "
+                         "blocks (moe_intermediate_tiles)")
+    nt = i // ti
     bounds, item_group, item_tile, fetch_group, fetch_tile, num_items = run_metadata(
         rows_of_groups(group_sizes, m) if row_groups is None else row_groups, tm, g)
-    imap = lambda f: (lambda it, off, ig, itl, fg, ft: f(it, fg, ft))  # noqa: E731
-    if interleaved:
-        w_specs = [pl.BlockSpec((None, 2 * i, h) if transposed else (None, h, 2 * i), imap(lambda it, fg, ft: (fg[it], 0, 0)))]
-    else:
-        blk = (None, i, h) if transposed else (None, h, i)
-        w_specs = [pl.BlockSpec(blk, imap(lambda it, fg, ft, s=s: (fg[it], s, 0) if transposed else (fg[it], 0, s)))
-                   for s in range(2)]
-    d_spec = pl.BlockSpec((None, h, i) if down_transposed else (None, i, h), imap(lambda it, fg, ft: (fg[it], 0, 0)))
-    in_specs = [pl.BlockSpec((tm, h), imap(lambda it, fg, ft: (ft[it], 0)))] + w_specs + [d_spec]
+    imap = lambda f: (lambda it, j, off, ig, itl, fg, ft: f(it, j, fg, ft))  # noqa: E731
+    # gate_up's blocks: [gate; up] halves as blocks s * nt + j (s = 0, 1), interleaved as block j of 2ti
+    bw = 2 * ti if interleaved else ti
+    w_specs = [pl.BlockSpec((None, bw, h) if transposed else (None, h, bw),
+                            imap(lambda it, j, fg, ft, s=s: (fg[it], s * nt + j, 0) if transposed else (fg[it], 0, s * nt + j)))
+               for s in range(1 if interleaved else 2)]
+    d_spec = pl.BlockSpec((None, h, ti) if down_transposed else (None, ti, h),
+                          imap(lambda it, j, fg, ft: (fg[it], 0, j) if down_transposed else (fg[it], j, 0)))
+    in_specs = [pl.BlockSpec((tm, h), imap(lambda it, j, fg, ft: (ft[it], 0)))] + w_specs + [d_spec]
     operands = [x] + [gate_up] * len(w_specs) + [down]
-    if gate_up_bias is not None:
-        bw = 2 * i if interleaved else i
-        in_specs += [pl.BlockSpec((None, 1, bw), imap(lambda it, fg, ft, s=s: (fg[it], 0, s))) for s in range(len(w_specs))]
-        in_specs += [pl.BlockSpec((None, 1, h), imap(lambda it, fg, ft: (fg[it], 0, 0)))]
-        operands += [gate_up_bias.reshape(g, 1, 2 * i)] * len(w_specs) + [down_bias.reshape(g, 1, h)]
+    if gate_up_bias is not None:  # [g * 2I / bw, 1, bw]: each block a whole row
+        per = 2 * i // bw
+        in_specs += [pl.BlockSpec((None, 1, bw), imap(lambda it, j, fg, ft, s=s: (fg[it] * per + s * nt + j, 0, 0)))
+                     for s in range(len(w_specs))]
+        in_specs += [pl.BlockSpec((None, 1, h), imap(lambda it, j, fg, ft: (fg[it], 0, 0)))]
+        operands += [gate_up_bias.reshape(g * per, 1, bw)] * len(w_specs) + [down_bias.reshape(g, 1, h)]
     quant, scratch = None, []
     if gate_up_scale is not None:
-        if not (transposed and down_transposed) or interleaved:
-            raise NotImplementedError("quantized weights: only the [g, 2I, H] / [g, H, I] layout with [gate; up] halves")
+        if not (transposed and down_transposed) or interleaved or nt > 1:
+            raise NotImplementedError("quantized weights: only whole slabs in the [g, 2I, H] / [g, H, I] layout "
+                                      "with [gate; up] halves")
         channel = per_channel(gate_up)
         if in_dots is None:
             in_dots = dequantize_in_dots(m, g, chunk, gate_up.dtype, chip)
         if channel:  # [g, 2I] and [g, H] whole in VMEM, the group's row read per item
             quant = MoeQuant(True, (0, 0), "f32", in_dots)
-            in_specs += [pl.BlockSpec(a.shape, imap(lambda it, fg, ft: (0, 0))) for a in (gate_up_scale, down_scale)]
+            in_specs += [pl.BlockSpec(a.shape, imap(lambda it, j, fg, ft: (0, 0))) for a in (gate_up_scale, down_scale)]
         else:  # the group's whole 128x128 block grids
             quant = MoeQuant(False, gate_up_scale_rows(gate_up_scale.shape[1], i, FP8_BLOCK), e4m3_mode(chip), in_dots)
-            in_specs += [pl.BlockSpec((None,) + a.shape[1:], imap(lambda it, fg, ft: (fg[it], 0, 0)))
+            in_specs += [pl.BlockSpec((None,) + a.shape[1:], imap(lambda it, j, fg, ft: (fg[it], 0, 0)))
                          for a in (gate_up_scale, down_scale)]
         operands += [gate_up_scale, down_scale]  # f32 (validated by the experts op)
         scratch = [] if in_dots else [pltpu.VMEM((i, h), x.dtype), pltpu.VMEM((i, h), x.dtype), pltpu.VMEM((h, i), x.dtype)]
-    need = moe_vmem_bytes(tm, chunk, h, i, x.dtype.itemsize, out_dtype.itemsize, gate_up.dtype.itemsize) + (
+    if nt > 1:
+        scratch = [pltpu.VMEM((tm, h), jnp.float32)]
+    need = moe_vmem_bytes(tm, chunk, h, i, x.dtype.itemsize, out_dtype.itemsize, gate_up.dtype.itemsize, ti) + (
         2 * 4 * (gate_up_scale.size + down_scale.size) if quant and quant.channel else 0)
     kernel = functools.partial(_moe_kernel, tm=tm, chunk=chunk, num_groups=g, transposed=transposed,
                                down_transposed=down_transposed,
                                activation=activation, interleaved=interleaved, alpha=float(alpha),
-                               limit=float(limit), has_bias=gate_up_bias is not None, quant=quant)
+                               limit=float(limit), has_bias=gate_up_bias is not None, quant=quant, i_tiles=nt)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((m, h), out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5, grid=(num_items,), in_specs=in_specs,
-            out_specs=pl.BlockSpec((tm, h), lambda it, off, ig, itl, fg, ft: (itl[it], 0)),
+            num_scalar_prefetch=5, grid=(num_items, nt), in_specs=in_specs,
+            out_specs=pl.BlockSpec((tm, h), lambda it, j, off, ig, itl, fg, ft: (itl[it], 0)),
             scratch_shapes=scratch),
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary",),
+            dimension_semantics=("arbitrary", "arbitrary"),
             vmem_limit_bytes=_vmem_limit(need, chip)),
         cost_estimate=pl.CostEstimate(flops=2 * m * h * 3 * i, transcendentals=m * i,
                                       bytes_accessed=g * 3 * h * i * gate_up.dtype.itemsize + m * h * (x.dtype.itemsize + out_dtype.itemsize)),
