@@ -1156,14 +1156,16 @@ def moe_intermediate_tiles(i: int, *, transposed: bool, down_transposed: bool, i
     return [i] + [ti for ti in range(i - 1, 0, -1) if i % ti == 0 and ok(ti)]
 
 
-# Intermediate tiles refetch an expert's weights for each row tile its rows span and run narrower dots
-# than whole slabs; two gmm calls move the [rows, I] intermediate through HBM instead. Measured with the
-# cost model on GPT-OSS-20B (bf16, H = I = 2880, 32 experts; layer us, two gmm calls -> tiled fused): v6e
-# 1 / 8 / 64 / 256 tokens 136.7 / 584.3 / 1043.6 / 1081.4 -> 130.8 / 559.4 / 988.0 / 1035.8, 2048 tokens
-# 1569.9 -> 1550.2; TPU7x 64 / 256 tokens 489.0 / 515.2 -> 445.5 / 476.7 but 2048 1079.9 -> 1176.0 (576-unit
-# tiles, 256-row tiles) or 1386.9 (320, 512), 8192 2928.4 -> 3058.0; v5e 2048 3652.0 -> 3808.5. So tiles
-# only where the MXU work per weight byte is under this fraction of the chip's flops per HBM byte (the
-# layer waits on its weights); compute-bound layers keep two gmm calls.
+# Intermediate tiles refetch an expert's weights for each row tile its rows span (all but the block at the
+# turn) and run narrower dots than whole slabs; two gmm calls move the [rows, I] intermediate through HBM
+# instead. Measured with the cost model on GPT-OSS-20B (bf16, H = I = 2880, 32 experts, top-4; layer us,
+# two gmm calls -> tiled fused): v6e 1 / 8 / 64 / 256 / 2048 tokens 136.7 / 584.3 / 1043.6 / 1081.4 / 1569.9
+# -> 130.8 / 559.4 / 988.0 / 1025.8 / 1482.0 (960-unit tiles); TPU7x 64 / 256 tokens 489.0 / 515.2 -> 445.5
+# / 474.7 (576), but 2048 1079.9 -> 1387.7 (320 units in 512-row tiles; 1176.0 in 576 x 256) and 8192
+# 2928.4 -> 3724.1; v5e 256 2113.2 -> 2034.4, 2048 3652.0 -> 3765.9, 8192 13291.0 -> 13007.2; v6e 8192
+# 4318.9 -> 4086.1. So tiles where the MXU work per weight byte is under this fraction of the chip's flops
+# per HBM byte (the layer waits on its weights); compute-bound layers keep two gmm calls (forgoing v6e's
+# and v5e's 5% and 2% at 8192 tokens).
 TILED_MOE_RIDGE = 0.5
 
 
@@ -1221,7 +1223,8 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     [m], each row's group, g for none, replaces group_sizes: ``run_metadata``). One grid step per run of
     a group's rows in an m-tile; each expert's three weight slabs are fetched once. ``ti``: the slabs
     come ti of the intermediate's I units at a time (one grid step each; ``moe_intermediate_tiles``), the
-    down products summed in f32 VMEM (an expert split between m-tiles is then fetched once per tile).
+    down products summed in f32 VMEM (an expert split between m-tiles is fetched again for the second one,
+    but for the block at the turn: odd m-tiles take the intermediate's tiles in reverse).
     ``down_transposed`` (default: ``transposed``) gives down's layout on its own.
     ``gate_up_scale`` / ``down_scale``: quantized weights (``QUANT_DTYPES``, transposed layout),
     dequantized to x's dtype in VMEM once per expert, or inside each chunk's dots (``in_dots``; default
@@ -1251,7 +1254,13 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     nt = i // ti
     bounds, item_group, item_tile, fetch_group, fetch_tile, num_items = run_metadata(
         rows_of_groups(group_sizes, m) if row_groups is None else row_groups, tm, g)
-    imap = lambda f: (lambda it, j, off, ig, itl, fg, ft: f(it, j, fg, ft))  # noqa: E731
+    def tile(j, group, row_tile):
+        # odd row tiles take the intermediate's tiles in reverse, so an expert split between two row tiles
+        # reuses the block at the turn; items of no group hold the last block fetched (nothing to fetch)
+        j = jnp.where(group < g, j, nt - 1)
+        return jnp.where(row_tile % 2 == 1, nt - 1 - j, j)
+
+    imap = lambda f: (lambda it, j, off, ig, itl, fg, ft: f(it, tile(j, ig[it], ft[it]), fg, ft))  # noqa: E731
     # gate_up's blocks: [gate; up] halves as blocks s * nt + j (s = 0, 1), interleaved as block j of 2ti
     bw = 2 * ti if interleaved else ti
     w_specs = [pl.BlockSpec((None, bw, h) if transposed else (None, h, bw),
