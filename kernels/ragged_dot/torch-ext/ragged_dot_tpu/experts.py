@@ -186,8 +186,6 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
         t * k, h, inter_size, in_dtype=wdt, out_dtype=wdt, transposed=transposed, interleaved=interleaved,
         w_dtype=gate_up_proj.dtype, groups=e, down_transposed=down_t)
     fused = tiling is not None
-    if not fused:
-        down, down_t = down_proj, transposed
     whole = fused and tiling[2] == inter_size
     if whole and t <= pallas.DECODE_TOKENS and gate_up_bias is None and down_bias is None and not interleaved:
         # decode: routing, weighting and the top-k sum inside the kernel too (no gathers or unsort around it)
@@ -220,7 +218,7 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
                              interleaved=interleaved, alpha=alpha, limit=limit, gate_up_bias=gate_up_bias,
                              down_bias=down_bias, out_dtype=wdt, down_transposed=down_t,
                              gate_up_scale=gate_up_scale, down_scale=down_scale, tm=tm, chunk=chunk, ti=ti)
-    else:  # experts no tile of which fits VMEM, MXFP4 weights: two grouped matmuls
+    else:  # experts too big for VMEM whole in a compute-bound layer (TILED_MOE_RIDGE), MXFP4: two grouped matmuls
         inter = pallas.gmm(x, gate_up_proj, None, row_groups=row_groups, transposed=transposed, activation=activation,
                            interleaved=interleaved, alpha=alpha, limit=limit, bias=gate_up_bias, out_dtype=wdt,
                            rhs_scale=gate_up_scale)

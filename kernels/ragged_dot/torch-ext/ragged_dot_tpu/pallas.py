@@ -1151,6 +1151,7 @@ def moe_intermediate_tiles(i: int, *, transposed: bool, down_transposed: bool, i
     [E, H, 2I] (2ti lanes interleaved, ti a half) and of down's when it is [E, H, I]: a multiple of 128
     there, of the packed sublane tile elsewhere."""
     lanes = [(2 if interleaved else 1, not transposed), (1, down_transposed)]
+
     def ok(ti):
         return all(mult * ti % (128 if lane else sub) == 0 for mult, lane in lanes)
     return [i] + [ti for ti in range(i - 1, 0, -1) if i % ti == 0 and ok(ti)]
@@ -1196,7 +1197,7 @@ def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True
     if quantized or 2 * avg / wb > TILED_MOE_RIDGE * spec.peak_flops / spec.hbm_bandwidth:
         widths = [i]  # whole slabs only: the layer is compute-bound (``TILED_MOE_RIDGE``)
     tm0 = min(1024 if m > LONG_TILE_ROWS else 512, _round_up(max(m, 1), sub))
-    # whole slabs with row tiles halved as needed; else the widest intermediate tiles that fit rows tiles of
+    # whole slabs with row tiles halved as needed; else the widest intermediate tiles that fit row tiles of
     # 512 or more (shorter ones split more groups between tiles, each split refetching the expert's weights)
     floor = min(tm0, 512)
     for ti, least in [(i, 0)] + [(ti, floor) for ti in widths[1:]] + [(ti, 0) for ti in widths[1:]]:
@@ -1254,6 +1255,7 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     nt = i // ti
     bounds, item_group, item_tile, fetch_group, fetch_tile, num_items = run_metadata(
         rows_of_groups(group_sizes, m) if row_groups is None else row_groups, tm, g)
+
     def tile(j, group, row_tile):
         # odd row tiles take the intermediate's tiles in reverse, so an expert split between two row tiles
         # reuses the block at the turn; items of no group hold the last block fetched (nothing to fetch)
