@@ -482,6 +482,9 @@ def _gpt_oss_reference(x, gu, gu_b, dn, dn_b, sizes, alpha=1.702, limit=7.0):
     # crossing the 64-row tile boundary, empty groups, tail rows
     ("fast", "interleaved", 192, 64, 64, 32, [5, 0, 70, 0, 3, 9]),
     ("fast", "interleaved", 192, 192, 64, 32, [5, 0, 70, 0, 3, 9]),  # whole slabs, the same code
+    # 3 tiles; the last group's second chunk pulled back over 8 rows of its first ([72, 104) then [96, 128)):
+    # those rows carry each tile once
+    ("fast", "halves", 384, 128, 128, 32, [20, 20, 19, 14, 0, 38]),
     pytest.param("strict", "interleaved", 192, 64, 32, 16, [5, 0, 40, 0, 3, 9], marks=pytest.mark.strict_interpret),
     pytest.param("strict", "halves", 256, 128, 64, 32, [17, 43, 0, 3, 2, 30], marks=pytest.mark.strict_interpret)])
 def test_fused_moe_intermediate_tiles(load_kernel, mode, layout, i, ti, tm, chunk, sizes):
@@ -511,6 +514,78 @@ def test_fused_moe_intermediate_tiles(load_kernel, mode, layout, i, ti, tm, chun
     with pytest.raises(ValueError, match="ti=96 must divide"):
         P.fused_moe(x, gu, dn, jnp.array(sizes, jnp.int32), tm=tm, chunk=chunk, ti=96,
                     **({} if layout == "halves" else dict(transposed=False, interleaved=True)))
+
+
+def _combined_reference(x, ids, w, expert, num_experts):
+    """out[t] = sum over j of w[t, j] * expert(ids[t, j], x[t]) in f32, ids outside [0, E) skipped."""
+    out = jnp.zeros(x.shape, jnp.float32)
+    for e in range(num_experts):
+        weight = jnp.where(ids == e, w.astype(jnp.float32), 0.0).sum(axis=1, keepdims=True)
+        out = out + weight * expert(e, x.astype(jnp.float32))
+    return out
+
+
+@pytest.mark.parametrize("mode,layout,dtype,i,ti,tm,chunk", [
+    # a token's rows from several groups, groups crossing the 32-row tile and the 16-row chunks, empty
+    # groups, sentinel ids, an expert listed twice for one token (adjacent rows of a group)
+    ("fast", "halves", "float32", 128, 128, 32, 16),
+    ("fast", "halves", "bfloat16", 128, 128, 32, 16),  # rows rounded to bf16, weighted in f32
+    ("fast", "halves", "float32", 256, 128, 64, 32),  # intermediate tiles: added at the last one
+    ("fast", "interleaved", "float32", 192, 64, 64, 32),  # GPT-OSS: interleaved, biases, 3 tiles
+    ("fast", "interleaved", "float32", 192, 64, 128, 32),  # one row tile, chunks pulled back in it
+    pytest.param("strict", "halves", "float32", 128, 128, 32, 16, marks=pytest.mark.strict_interpret),
+    pytest.param("strict", "interleaved", "float32", 192, 64, 32, 16, marks=pytest.mark.strict_interpret)])
+def test_fused_moe_combines_rows_into_their_tokens(load_kernel, mode, layout, dtype, i, ti, tm, chunk):
+    """With ``combine`` the fused MLP returns each token's weighted sum of its experts' rows (the MoE
+    layer's unsort and top-k sum): against an f32 reference per token, from the routing sort's rows."""
+    P = load_kernel("ragged_dot").pallas
+    t, k, e, h = 37, 3, 6, 128
+    ks = jax.random.split(jax.random.key(6), 6)
+    x = jax.random.normal(ks[0], (t, h)).astype(dtype)
+    ids = np.array(jax.random.randint(ks[1], (t, k), 0, e))
+    ids[ids == 4] = 5  # an empty group
+    ids[3, :] = [2, 2, 0]  # expert 2 twice for token 3
+    ids[5, 1] = e  # a sentinel: no expert
+    w = jax.random.uniform(ks[2], (t, k))
+    keys, order, tokens = P.sort_by_expert(jnp.asarray(ids), e)
+    if layout == "halves":
+        gu = (0.1 * jax.random.normal(ks[3], (e, 2 * i, h))).astype(dtype)
+        dn = (0.1 * jax.random.normal(ks[4], (e, h, i))).astype(dtype)
+        kw = {}
+
+        def expert(g, xs):
+            y = xs @ gu[g].astype(jnp.float32).T
+            return (jax.nn.silu(y[:, :i]) * y[:, i:]) @ dn[g].astype(jnp.float32).T
+    else:
+        gu = 0.1 * jax.random.normal(ks[3], (e, h, 2 * i))
+        dn = 0.1 * jax.random.normal(ks[4], (e, i, h))
+        gu_b, dn_b = (0.5 * jax.random.normal(kk, (e, n)) for kk, n in zip(jax.random.split(ks[5]), (2 * i, h)))
+        kw = dict(transposed=False, interleaved=True, activation="swiglu_oai", gate_up_bias=gu_b, down_bias=dn_b)
+
+        def expert(g, xs):
+            return _gpt_oss_reference(xs, gu[g:g + 1], gu_b[g:g + 1], dn[g:g + 1], dn_b[g:g + 1], [xs.shape[0]])
+    with interpret(mode):
+        out = P.fused_moe(x[tokens], gu, dn, None, row_groups=keys, tm=tm, chunk=chunk, ti=ti,
+                          combine=(tokens, w.reshape(-1)[order], t), **kw)
+    assert out.shape == (40, h) and out.dtype == jnp.float32  # T + a trash row, in whole sublane tiles
+    ref = _combined_reference(x, ids, w, expert, e)
+    if dtype == "bfloat16":  # each row rounded to bf16 as the kernel's output would be, then weighted
+        ref = _combined_reference(x, ids, w, lambda g, xs: expert(g, xs).astype(jnp.bfloat16).astype(jnp.float32), e)
+    _close(out[:t], ref, 1e-4 if dtype == "float32" else 1e-2)
+
+
+def test_fused_moe_combines_where_a_row_costs_less_than_its_hbm_trips(load_kernel):
+    """The combine runs in the kernel where the core adds a row faster than HBM moves it four times
+    (v5e, v6e; not TPU7x) and the tokens' sums fit VMEM beside the tiles (Qwen3-30B-A3B's experts at
+    8192 tokens on v6e do, Gemma-4 26B-A4B's do not)."""
+    P = load_kernel("ragged_dot").pallas
+
+    def combines(tokens, chip, h=2048, i=768, k=8, dtype=jnp.bfloat16):
+        tiling = P.fused_moe_tiling(tokens * k, h, i, in_dtype=dtype, out_dtype=dtype, chip=chip, groups=128)
+        return P.fused_moe_combines(tokens, h, i, tiling, in_dtype=dtype, out_dtype=dtype, chip=chip)
+    assert [combines(2048, c) for c in ("v5e", "v6e", "tpu7x")] == [True, True, False]
+    assert combines(8192, "v6e") and not combines(8192, "v6e", h=2816, i=704)
+    assert combines(64, "v6e") and combines(2048, None)  # off TPU: v6e's speeds, the smallest VMEM
 
 
 def test_fused_moe_tiles_the_intermediate_where_the_layer_waits_on_weights(load_kernel):

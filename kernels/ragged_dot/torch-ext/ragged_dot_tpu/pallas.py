@@ -126,15 +126,16 @@ def group_chunk_rows(m: int, groups: int | None) -> int:
     return 32 if avg <= 16 else 64 if avg <= 48 else 128
 
 
-def _for_group_rows(lo, hi, *, tm: int, chunk: int, sub: int, body):
+def _for_group_rows(lo, hi, *, tm: int, chunk: int, sub: int, body, fresh: bool = False):
     """``body(r0)`` for chunks of ``chunk`` rows from r0 (a multiple of ``sub``, the native tile) covering
     rows [lo, hi) of a tm-row tile: from the native tile holding row lo, so a group of a few rows takes one
     chunk wherever it starts; the last chunk pulled back inside the tile (rows it repeats are written
-    again, with the same values)."""
+    again, with the same values). ``fresh``: ``body(r0, new)``, rows from r0 + new on not in an earlier chunk."""
     first_row = jnp.minimum(lax.div(lo, jnp.int32(sub)) * sub, tm - chunk)
 
     def step(c, carry):
-        body(pl.multiple_of(jnp.minimum(first_row + c * chunk, tm - chunk), sub))
+        r0 = pl.multiple_of(jnp.minimum(first_row + c * chunk, tm - chunk), sub)
+        body(r0, first_row + c * chunk - r0) if fresh else body(r0)
         return carry
 
     n = jnp.int32(chunk)
@@ -1005,9 +1006,15 @@ def reference(lhs, rhs, group_sizes, rhs_transposed=False, out_dtype=None):
 
 # --------------------------------------------------------------------------- fused expert MLP
 
-def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, x_ref, *refs, tm, chunk, num_groups,
-                transposed, down_transposed, activation, interleaved, alpha, limit, has_bias, quant, i_tiles):
+def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, tm, chunk, num_groups,
+                transposed, down_transposed, activation, interleaved, alpha, limit, has_bias, quant, i_tiles,
+                combine):
     del fetch_tile
+    if combine is not None:  # each row's token (scalar-prefetched) and routing weight; a chunk of weighted rows
+        row_token, x_ref, row_weight, refs = refs[0], refs[1], refs[2], refs[3:]
+        refs, ybuf = refs[:-1], refs[-1]
+    else:
+        x_ref, refs = refs[0], refs[1:]
     n_w = 1 if interleaved else 2
     w_refs, d_ref = refs[:n_w], refs[n_w]
     b_refs, db_ref = (refs[n_w + 1:2 * n_w + 1], refs[2 * n_w + 1]) if has_bias else ((), None)
@@ -1047,25 +1054,62 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, x_ref, *
     dims = _dims(transposed)
     ddims = _dims(down_transposed)
 
-    @pl.when(jnp.logical_and(first, j == 0))
-    def _zero():  # the tile's rows no group of its items writes stay zero
-        out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
+    if combine is not None:
+        y_dtype, prod_dtype = combine
+        sums = out_ref  # the whole [T, H] output, in VMEM throughout
+
+        @pl.when(jnp.logical_and(i == 0, j == 0))
+        def _zero_sums():  # a loop: the code of a branch taken once stays short
+            def zero(b, carry):
+                sums[pl.ds(pl.multiple_of(b * 8, 8), 8), :] = jnp.zeros((8, sums.shape[1]), sums.dtype)
+                return carry
+            lax.fori_loop(0, sums.shape[0] // 8, zero, 0)
+
+        def add_rows(y, r0, new, start, end):
+            """Each of the chunk's rows of this group (once), weighted, into its token's sum: the unsort
+            and the top-k sum of the layer, in VMEM (rounded and weighted as the result rows would be)."""
+            w = row_weight[pl.ds(r0, chunk), :].astype(prod_dtype)
+            ybuf[pl.ds(0, chunk), :] = (y.astype(y_dtype).astype(prod_dtype) * w).astype(jnp.float32)
+            base = tile * tm + r0
+            lo, hi = jnp.clip(jnp.maximum(start - base, new), 0, chunk), jnp.clip(end - base, 0, chunk)
+            trash = sums.shape[0] - 1
+
+            def add(n, carry):
+                # ADD_ROWS rows at a time, their sums read before any is written (rows past hi go to the
+                # trash row); a token twice in a group (an expert listed twice) has adjacent rows: the
+                # second takes the first's new sum
+                rs = [lo + n * ADD_ROWS + u for u in range(ADD_ROWS)]
+                ts = [jnp.where(r < hi, row_token[base + r], trash) for r in rs]
+                olds = [sums[pl.ds(t, 1), :] for t in ts]
+                prev = None
+                for u, (r, t) in enumerate(zip(rs, ts)):
+                    old = olds[u] if u == 0 else jnp.where(t == ts[u - 1], prev, olds[u])
+                    prev = old + ybuf[pl.ds(r, 1), :]
+                    sums[pl.ds(t, 1), :] = prev
+                return carry
+            lax.fori_loop(0, lax.div(hi - lo + ADD_ROWS - 1, ADD_ROWS), add, 0)
+    else:
+        @pl.when(jnp.logical_and(first, j == 0))
+        def _zero():  # the tile's rows no group of its items writes stay zero
+            out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
     @pl.when(grp < num_groups)
     def _compute():
         start, end = bounds[i], bounds[i + 1]
 
-        def finish(y, r0):  # the rows' whole down product, f32
+        def finish(y, r0, new=0):  # the rows' whole down product, f32
             if d_scale is not None:
                 y = y * d_scale()
             if has_bias:
                 y = y + db_ref[...].astype(jnp.float32)
+            if combine is not None:
+                return add_rows(y, r0, new, start, end)
             rows = pl.ds(r0, chunk)
             r = tile * tm + r0 + lax.broadcasted_iota(jnp.int32, y.shape, 0)
             mine = jnp.logical_and(r >= start, r < end)
             out_ref[rows, :] = jnp.where(mine, y.astype(out_ref.dtype), out_ref[rows, :])
 
-        def chunk_rows(r0):  # MXU work only for chunks holding rows of this group
+        def chunk_rows(r0, new=0):  # MXU work only for chunks holding rows of this group
             rows = pl.ds(r0, chunk)
             x = x_ref[rows, :]
             ys = [lax.dot_general(x, w(), dims, preferred_element_type=jnp.float32) for w in weights]
@@ -1082,20 +1126,21 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, x_ref, *
                 h = lax.cond(start >= 0, lambda: h, lambda: jnp.zeros_like(h))
             y = lax.dot_general(h, down(), ddims, preferred_element_type=jnp.float32)
             if i_tiles == 1:
-                return finish(y, r0)
+                return finish(y, r0, new)
             # the rows' earlier tiles (scratch rows another item left are overwritten at its tile 0)
-            y = y + jnp.where(j > 0, acc_ref[rows, :], 0.0)
+            acc = acc_ref[rows, :]
+            y = y + jnp.where(j > 0, acc, 0.0)
 
             @pl.when(j < i_tiles - 1)
-            def _carry():
-                acc_ref[rows, :] = y
+            def _carry():  # rows a pulled-back chunk repeats already carry this tile, from the chunk before
+                acc_ref[rows, :] = jnp.where(lax.broadcasted_iota(jnp.int32, y.shape, 0) < new, acc, y)
 
             @pl.when(j == i_tiles - 1)
             def _last():
-                finish(y, r0)
+                finish(y, r0, new)
 
         _for_group_rows(jnp.clip(start - tile * tm, 0, tm), jnp.clip(end - tile * tm, 0, tm), tm=tm, chunk=chunk,
-                        sub=_sublanes(x_ref.dtype), body=chunk_rows)
+                        sub=_sublanes(x_ref.dtype), body=chunk_rows, fresh=True)
 
 
 def moe_vmem_bytes(tm, chunk, h, i, in_bytes, out_bytes, w_bytes=None, ti=None):
@@ -1213,10 +1258,45 @@ def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True
     return None
 
 
+# The MoE layer's combine (each result row, weighted, into its token's f32 sum) inside the fused MLP: the
+# tokens' sums stay in VMEM for the whole call, and the rows are added ADD_ROWS at a time, all read before
+# any is written. Compiled, one iteration issues about COMBINE_CYCLES bundles per 128 lanes of a row
+# (v6e, Qwen3-30B-A3B: 54 bundles for 4 rows of 2048). Outside the kernel the same rows cross HBM four
+# times (the kernel writes them, the unsort gather reads and writes them, the top-k sum reads them).
+# So the kernel combines where the core adds a row faster than HBM moves it four times (v5e, v6e;
+# not TPU7x, whose HBM is fastest for its clock) and the sums fit VMEM beside the tiles (COMBINE_VMEM:
+# Qwen3 at 8192 tokens, 0.79 of v6e's VMEM, compiles; Gemma-4 26B-A4B at 8192 does not). Measured with
+# the cost model (layer us, glue combine -> in the kernel): Qwen3 2048 tokens v5e 1965 -> 1796, v6e
+# 1040 -> 888, TPU7x 531 -> 565; 8192 tokens v5e 6358 -> 5092, v6e 2049 -> 2020; Gemma-4 2048 tokens v5e
+# 2675 -> 2306, v6e 1321 -> 1121, TPU7x 730 -> 767; GPT-OSS-20B 2048 tokens v6e 1482 -> 1450.
+ADD_ROWS = 4
+COMBINE_CYCLES = 0.84
+COMBINE_VMEM = 0.8
+
+
+def fused_moe_combines(tokens: int, h: int, i: int, tiling, *, in_dtype, out_dtype, w_dtype=None,
+                       chip=None) -> bool:
+    """Whether the fused MLP at ``tiling`` (``fused_moe_tiling``) should also combine the layer's rows into
+    its ``tokens`` outputs (``fused_moe(combine=...)``): see COMBINE_CYCLES."""
+    spec = _chip(chip)
+    tm, chunk, ti = tiling
+    out_bytes = jnp.dtype(out_dtype).itemsize
+    if COMBINE_CYCLES / (128 * spec.clock_hz) >= 4 * out_bytes / spec.hbm_bandwidth:
+        return False
+    need = moe_vmem_bytes(tm, chunk, h, i, jnp.dtype(in_dtype).itemsize, 0,  # no output tiles: the sums instead
+                          jnp.dtype(w_dtype or in_dtype).itemsize, ti) + combine_vmem_bytes(tokens, h, chunk)
+    return need <= COMBINE_VMEM * spec.vmem_bytes
+
+
+def combine_vmem_bytes(tokens: int, h: int, chunk: int) -> int:
+    """The tokens' f32 sums (and a trash row, in whole sublane tiles) and a chunk of weighted rows."""
+    return (_round_up(tokens + 1, 8) + chunk + ADD_ROWS) * h * 4
+
+
 def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="silu", interleaved=False,
               alpha=1.702, limit=7.0, gate_up_bias=None, down_bias=None, out_dtype=None, tm=None, chunk=None,
               chip=None, down_transposed=None, gate_up_scale=None, down_scale=None, in_dots=None, row_groups=None,
-              ti=None):
+              ti=None, combine=None):
     """down(act(x @ gate) * (x @ up)) per group in ONE kernel: the intermediate never leaves VMEM.
 
     x [m, H] (rows sorted by group), gate_up [g, 2I, H] / down [g, H, I] (``transposed``, the
@@ -1230,6 +1310,10 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     ``gate_up_scale`` / ``down_scale``: quantized weights (``QUANT_DTYPES``, transposed layout),
     dequantized to x's dtype in VMEM once per expert, or inside each chunk's dots (``in_dots``; default
     ``dequantize_in_dots``).
+    ``combine`` = (row_token [m], row_weight [m], T): the MoE layer's combine in the kernel
+    (``fused_moe_combines``): returns f32 [round_up(T + 1, 8), H] whose row t < T sums row_weight[r] * result
+    row r (rounded to out_dtype, multiplied in its promotion with row_weight's dtype) over the rows r of a
+    group with row_token[r] = t; the rows past T are scratch.
     """
     down_transposed = transposed if down_transposed is None else down_transposed
     m, h = x.shape
@@ -1262,7 +1346,7 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
         j = jnp.where(group < g, j, nt - 1)
         return jnp.where(row_tile % 2 == 1, nt - 1 - j, j)
 
-    imap = lambda f: (lambda it, j, off, ig, itl, fg, ft: f(it, tile(j, ig[it], ft[it]), fg, ft))  # noqa: E731
+    imap = lambda f: (lambda it, j, off, ig, itl, fg, ft, *_: f(it, tile(j, ig[it], ft[it]), fg, ft))  # noqa: E731
     # gate_up's blocks: [gate; up] halves as blocks s * nt + j (s = 0, 1), interleaved as block j of 2ti
     bw = 2 * ti if interleaved else ti
     w_specs = [pl.BlockSpec((None, bw, h) if transposed else (None, h, bw),
@@ -1297,26 +1381,43 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
         scratch = [] if in_dots else [pltpu.VMEM((i, h), x.dtype), pltpu.VMEM((i, h), x.dtype), pltpu.VMEM((h, i), x.dtype)]
     if nt > 1:
         scratch = [pltpu.VMEM((tm, h), jnp.float32)]
-    need = moe_vmem_bytes(tm, chunk, h, i, x.dtype.itemsize, out_dtype.itemsize, gate_up.dtype.itemsize, ti) + (
-        2 * 4 * (gate_up_scale.size + down_scale.size) if quant and quant.channel else 0)
+    prefetch = [bounds, item_group, item_tile, fetch_group, fetch_tile]
+    out_shape, out_spec = (m, h), pl.BlockSpec((tm, h), lambda it, j, off, ig, itl, fg, ft, *_: (itl[it], 0))
+    comb, out_bytes = None, m * h * out_dtype.itemsize
+    need = moe_vmem_bytes(tm, chunk, h, i, x.dtype.itemsize, out_dtype.itemsize, gate_up.dtype.itemsize, ti)
+    if combine is not None:
+        row_token, row_weight, num_tokens = combine
+        prefetch.append(jnp.pad(row_token.astype(jnp.int32), (0, -(-m // tm) * tm + ADD_ROWS - m)))
+        in_specs.insert(1, pl.BlockSpec((tm, 1), imap(lambda it, j, fg, ft: (ft[it], 0))))
+        operands.insert(1, row_weight.reshape(m, 1))
+        comb = (out_dtype, jnp.promote_types(out_dtype, row_weight.dtype))
+        out_dtype = jnp.dtype(jnp.float32)
+        rows = _round_up(num_tokens + 1, 8)  # the tokens' sums, a trash row, whole sublane tiles
+        out_shape, out_spec = (rows, h), pl.BlockSpec((rows, h), lambda *_: (0, 0))  # one buffer, written once
+        scratch += [pltpu.VMEM((chunk + ADD_ROWS, h), jnp.float32)]
+        out_bytes = rows * h * 4
+        need = moe_vmem_bytes(tm, chunk, h, i, x.dtype.itemsize, 0, gate_up.dtype.itemsize, ti) + combine_vmem_bytes(
+            num_tokens, h, chunk)
+    need += 2 * 4 * (gate_up_scale.size + down_scale.size) if quant and quant.channel else 0
     kernel = functools.partial(_moe_kernel, tm=tm, chunk=chunk, num_groups=g, transposed=transposed,
                                down_transposed=down_transposed,
                                activation=activation, interleaved=interleaved, alpha=float(alpha),
-                               limit=float(limit), has_bias=gate_up_bias is not None, quant=quant, i_tiles=nt)
+                               limit=float(limit), has_bias=gate_up_bias is not None, quant=quant, i_tiles=nt,
+                               combine=comb)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((m, h), out_dtype),
+        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=5, grid=(num_items, nt), in_specs=in_specs,
-            out_specs=pl.BlockSpec((tm, h), lambda it, j, off, ig, itl, fg, ft: (itl[it], 0)),
+            num_scalar_prefetch=len(prefetch), grid=(num_items, nt), in_specs=in_specs, out_specs=out_spec,
             scratch_shapes=scratch),
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("arbitrary", "arbitrary"),
             vmem_limit_bytes=_vmem_limit(need, chip)),
         cost_estimate=pl.CostEstimate(flops=2 * m * h * 3 * i, transcendentals=m * i,
-                                      bytes_accessed=g * 3 * h * i * gate_up.dtype.itemsize + m * h * (x.dtype.itemsize + out_dtype.itemsize)),
+                                      bytes_accessed=g * 3 * h * i * gate_up.dtype.itemsize + m * h * x.dtype.itemsize
+                                      + out_bytes),
         name="ragged_dot_fused_moe",
-    )(bounds, item_group, item_tile, fetch_group, fetch_tile, *operands)
+    )(*prefetch, *operands)
 
 
 # --------------------------------------------------------------------------- decode experts
