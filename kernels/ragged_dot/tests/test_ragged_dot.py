@@ -525,19 +525,21 @@ def _combined_reference(x, ids, w, expert, num_experts):
     return out
 
 
-@pytest.mark.parametrize("mode,layout,dtype,i,ti,tm,chunk", [
+@pytest.mark.parametrize("mode,layout,dtype,i,ti,tm,chunk,gather", [
     # a token's rows from several groups, groups crossing the 32-row tile and the 16-row chunks, empty
     # groups, sentinel ids, an expert listed twice for one token (adjacent rows of a group)
-    ("fast", "halves", "float32", 128, 128, 32, 16),
-    ("fast", "halves", "bfloat16", 128, 128, 32, 16),  # rows rounded to bf16, weighted in f32
-    ("fast", "halves", "float32", 256, 128, 64, 32),  # intermediate tiles: added at the last one
-    ("fast", "interleaved", "float32", 192, 64, 64, 32),  # GPT-OSS: interleaved, biases, 3 tiles
-    ("fast", "interleaved", "float32", 192, 64, 128, 32),  # one row tile, chunks pulled back in it
-    pytest.param("strict", "halves", "float32", 128, 128, 32, 16, marks=pytest.mark.strict_interpret),
-    pytest.param("strict", "interleaved", "float32", 192, 64, 32, 16, marks=pytest.mark.strict_interpret)])
-def test_fused_moe_combines_rows_into_their_tokens(load_kernel, mode, layout, dtype, i, ti, tm, chunk):
+    ("fast", "halves", "float32", 128, 128, 32, 16, False),
+    ("fast", "halves", "float32", 128, 128, 32, 16, True),
+    ("fast", "halves", "bfloat16", 128, 128, 32, 16, True),  # rows rounded to bf16, weighted in f32
+    ("fast", "halves", "float32", 256, 128, 64, 32, False),  # intermediate tiles: added at the last one
+    ("fast", "interleaved", "float32", 192, 64, 64, 32, True),  # GPT-OSS: interleaved, biases, 3 tiles
+    ("fast", "interleaved", "float32", 192, 64, 128, 32, False),  # one row tile, chunks pulled back in it
+    pytest.param("strict", "halves", "bfloat16", 128, 128, 32, 16, True, marks=pytest.mark.strict_interpret),
+    pytest.param("strict", "interleaved", "float32", 192, 64, 32, 16, False, marks=pytest.mark.strict_interpret)])
+def test_fused_moe_combines_rows_into_their_tokens(load_kernel, mode, layout, dtype, i, ti, tm, chunk, gather):
     """With ``combine`` the fused MLP returns each token's weighted sum of its experts' rows (the MoE
-    layer's unsort and top-k sum): against an f32 reference per token, from the routing sort's rows."""
+    layer's unsort and top-k sum), with ``gather`` from the tokens' rows themselves: against an f32
+    reference per token, from the routing sort's rows."""
     P = load_kernel("ragged_dot").pallas
     t, k, e, h = 37, 3, 6, 128
     ks = jax.random.split(jax.random.key(6), 6)
@@ -565,8 +567,8 @@ def test_fused_moe_combines_rows_into_their_tokens(load_kernel, mode, layout, dt
         def expert(g, xs):
             return _gpt_oss_reference(xs, gu[g:g + 1], gu_b[g:g + 1], dn[g:g + 1], dn_b[g:g + 1], [xs.shape[0]])
     with interpret(mode):
-        out = P.fused_moe(x[tokens], gu, dn, None, row_groups=keys, tm=tm, chunk=chunk, ti=ti,
-                          combine=(tokens, w.reshape(-1)[order], t), **kw)
+        out = P.fused_moe(x if gather else x[tokens], gu, dn, None, row_groups=keys, tm=tm, chunk=chunk, ti=ti,
+                          combine=(tokens, w.reshape(-1)[order], t), gather=gather, **kw)
     assert out.shape == (40, h) and out.dtype == jnp.float32  # T + a trash row, in whole sublane tiles
     ref = _combined_reference(x, ids, w, expert, e)
     if dtype == "bfloat16":  # each row rounded to bf16 as the kernel's output would be, then weighted
@@ -586,6 +588,11 @@ def test_fused_moe_combines_where_a_row_costs_less_than_its_hbm_trips(load_kerne
     assert [combines(2048, c) for c in ("v5e", "v6e", "tpu7x")] == [True, True, False]
     assert combines(8192, "v6e") and not combines(8192, "v6e", h=2816, i=704)
     assert combines(64, "v6e") and combines(2048, None)  # off TPU: v6e's speeds, the smallest VMEM
+
+    def gathers(tokens, chip, h=2048, i=768, k=8, dtype=jnp.bfloat16):  # where the tokens' rows fit too
+        tiling = P.fused_moe_tiling(tokens * k, h, i, in_dtype=dtype, out_dtype=dtype, chip=chip, groups=128)
+        return P.fused_moe_gathers(tokens, h, i, tiling, in_dtype=dtype, out_dtype=dtype, chip=chip)
+    assert gathers(2048, "v6e") and gathers(2048, "v5e") and not gathers(8192, "v6e")
 
 
 def test_fused_moe_tiles_the_intermediate_where_the_layer_waits_on_weights(load_kernel):

@@ -214,14 +214,18 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
         y = jnp.where(valid, y, 0)  # tokamax leaves rows past sum(group_sizes) uninitialised
     elif fused:
         tm, chunk, ti = tiling
-        # where it pays (``fused_moe_combines``) the kernel also unsorts, weights and sums each token's rows
-        combine = pallas.fused_moe_combines(t, h, inter_size, tiling, in_dtype=wdt, out_dtype=wdt,
-                                            w_dtype=gate_up_proj.dtype)
-        y = pallas.fused_moe(x, gate_up_proj, down, None, row_groups=row_groups, transposed=transposed, activation=activation,
+        # where it pays the kernel also unsorts, weights and sums each token's rows (``fused_moe_combines``),
+        # and gathers the rows' x from the tokens' rows in VMEM (``fused_moe_gathers``)
+        sizes = dict(in_dtype=wdt, out_dtype=wdt, w_dtype=gate_up_proj.dtype)
+        combine = pallas.fused_moe_combines(t, h, inter_size, tiling, **sizes)
+        gather = combine and pallas.fused_moe_gathers(t, h, inter_size, tiling, **sizes)
+        y = pallas.fused_moe(hidden_states.astype(wdt) if gather else x, gate_up_proj, down, None,
+                             row_groups=row_groups, transposed=transposed, activation=activation,
                              interleaved=interleaved, alpha=alpha, limit=limit, gate_up_bias=gate_up_bias,
                              down_bias=down_bias, out_dtype=wdt, down_transposed=down_t,
                              gate_up_scale=gate_up_scale, down_scale=down_scale, tm=tm, chunk=chunk, ti=ti,
-                             combine=(tokens, top_k_weights.reshape(-1)[order], t) if combine else None)
+                             combine=(tokens, top_k_weights.reshape(-1)[order], t) if combine else None,
+                             gather=gather)
         if combine:  # no [T * k, H] result left the kernel
             return y[:t].astype(hidden_states.dtype)
     else:  # experts too big for VMEM whole in a compute-bound layer (TILED_MOE_RIDGE), MXFP4: two grouped matmuls

@@ -1008,10 +1008,12 @@ def reference(lhs, rhs, group_sizes, rhs_transposed=False, out_dtype=None):
 
 def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, tm, chunk, num_groups,
                 transposed, down_transposed, activation, interleaved, alpha, limit, has_bias, quant, i_tiles,
-                combine):
+                combine, gather):
     del fetch_tile
     if combine is not None:  # each row's token (scalar-prefetched) and routing weight; a chunk of weighted rows
         row_token, x_ref, row_weight, refs = refs[0], refs[1], refs[2], refs[3:]
+        if gather:  # the tokens' rows in f32, and the chunk's rows gathered from them
+            refs, (xs, xbuf) = refs[:-2], refs[-2:]
         refs, ybuf = refs[:-1], refs[-1]
     else:
         x_ref, refs = refs[0], refs[1:]
@@ -1064,6 +1066,28 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
                 sums[pl.ds(pl.multiple_of(b * 8, 8), 8), :] = jnp.zeros((8, sums.shape[1]), sums.dtype)
                 return carry
             lax.fori_loop(0, sums.shape[0] // 8, zero, 0)
+            if gather:  # the tokens' rows as f32 (rows of 32 bits: one sublane each, any row loads alone)
+                block = _sublanes(x_ref.dtype)
+
+                def widen(b, carry):
+                    r = pl.multiple_of(b * block, block)
+                    xs[pl.ds(r, block), :] = x_ref[pl.ds(r, block), :].astype(jnp.float32)
+                    return carry
+                lax.fori_loop(0, x_ref.shape[0] // block, widen, 0)
+
+        def gather_rows(r0, start, end):
+            """x of the chunk's rows of this group, gathered from the tokens' rows (others: stale)."""
+            base = tile * tm + r0
+            lo, hi = jnp.clip(start - base, 0, chunk), jnp.clip(end - base, 0, chunk)
+
+            def copy(n, carry):
+                for u in range(ADD_ROWS):
+                    r = lo + n * ADD_ROWS + u
+                    t = jnp.where(r < hi, row_token[base + r], 0)
+                    xbuf[pl.ds(r, 1), :] = xs[pl.ds(t, 1), :]
+                return carry
+            lax.fori_loop(0, lax.div(hi - lo + ADD_ROWS - 1, ADD_ROWS), copy, 0)
+            return xbuf[pl.ds(0, chunk), :].astype(x_ref.dtype)
 
         def add_rows(y, r0, new, start, end):
             """Each of the chunk's rows of this group (once), weighted, into its token's sum: the unsort
@@ -1111,7 +1135,7 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
 
         def chunk_rows(r0, new=0):  # MXU work only for chunks holding rows of this group
             rows = pl.ds(r0, chunk)
-            x = x_ref[rows, :]
+            x = gather_rows(r0, start, end) if gather else x_ref[rows, :]
             ys = [lax.dot_general(x, w(), dims, preferred_element_type=jnp.float32) for w in weights]
             ys = [y if cs is None else y * cs() for y, cs in zip(ys, col_scales)]
             if has_bias:
@@ -1266,9 +1290,10 @@ def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True
 # So the kernel combines where the core adds a row faster than HBM moves it four times (v5e, v6e;
 # not TPU7x, whose HBM is fastest for its clock) and the sums fit VMEM beside the tiles (COMBINE_VMEM:
 # Qwen3 at 8192 tokens, 0.79 of v6e's VMEM, compiles; Gemma-4 26B-A4B at 8192 does not). Measured with
-# the cost model (layer us, glue combine -> in the kernel): Qwen3 2048 tokens v5e 1965 -> 1796, v6e
-# 1040 -> 888, TPU7x 531 -> 565; 8192 tokens v5e 6358 -> 5092, v6e 2049 -> 2020; Gemma-4 2048 tokens v5e
-# 2675 -> 2306, v6e 1321 -> 1121, TPU7x 730 -> 767; GPT-OSS-20B 2048 tokens v6e 1482 -> 1450.
+# the cost model (layer us, glue combine -> in the kernel; the bench at b744681): Qwen3 2048 tokens v5e
+# 1965 -> 1796, v6e 1040 -> 888 (TPU7x, forced: 531 -> 565); 8192 tokens v5e 6358 -> 5092, v6e 2049 -> 2020;
+# Gemma-4 2048 tokens v5e 2675 -> 2292, v6e 1321 -> 1113 (TPU7x, forced: 730 -> 767); GPT-OSS-20B 2048
+# tokens v6e 1482 -> 1450.
 ADD_ROWS = 4
 COMBINE_CYCLES = 0.84
 COMBINE_VMEM = 0.8
@@ -1293,10 +1318,29 @@ def combine_vmem_bytes(tokens: int, h: int, chunk: int) -> int:
     return (_round_up(tokens + 1, 8) + chunk + ADD_ROWS) * h * 4
 
 
+def gather_vmem_bytes(tokens: int, h: int, tm: int, chunk: int, in_bytes: int) -> int:
+    """The tokens' rows (one buffer) and their f32 copy, a chunk of gathered rows; no x tiles."""
+    return tokens * h * (in_bytes + 4) + (chunk + ADD_ROWS) * h * 4 - 2 * tm * h * in_bytes
+
+
+def fused_moe_gathers(tokens: int, h: int, i: int, tiling, *, in_dtype, out_dtype, w_dtype=None, chip=None) -> bool:
+    """Whether a combining fused MLP (``fused_moe_combines``) should also gather its rows' x from the tokens'
+    rows held in VMEM (``fused_moe(gather=True)``): where they fit too. A row copy costs the core less than
+    a combine's add, and saves the gathered [T * k, H] rows' trip through HBM and back (the XLA gather's
+    write, the kernel's read): Qwen3-30B-A3B at 2048 tokens, layer us 1795.7 -> 1750.8 on v5e, 888.3 ->
+    851.4 on v6e; Gemma-4 26B-A4B 2291.7 -> 2210.5, 1112.7 -> 1056.7 (the cost model)."""
+    spec = _chip(chip)
+    tm, chunk, ti = tiling
+    b = jnp.dtype(in_dtype).itemsize
+    need = moe_vmem_bytes(tm, chunk, h, i, b, 0, jnp.dtype(w_dtype or in_dtype).itemsize, ti) + combine_vmem_bytes(
+        tokens, h, chunk) + gather_vmem_bytes(tokens, h, tm, chunk, b)
+    return need <= COMBINE_VMEM * spec.vmem_bytes
+
+
 def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="silu", interleaved=False,
               alpha=1.702, limit=7.0, gate_up_bias=None, down_bias=None, out_dtype=None, tm=None, chunk=None,
               chip=None, down_transposed=None, gate_up_scale=None, down_scale=None, in_dots=None, row_groups=None,
-              ti=None, combine=None):
+              ti=None, combine=None, gather=False):
     """down(act(x @ gate) * (x @ up)) per group in ONE kernel: the intermediate never leaves VMEM.
 
     x [m, H] (rows sorted by group), gate_up [g, 2I, H] / down [g, H, I] (``transposed``, the
@@ -1313,10 +1357,15 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     ``combine`` = (row_token [m], row_weight [m], T): the MoE layer's combine in the kernel
     (``fused_moe_combines``): returns f32 [round_up(T + 1, 8), H] whose row t < T sums row_weight[r] * result
     row r (rounded to out_dtype, multiplied in its promotion with row_weight's dtype) over the rows r of a
-    group with row_token[r] = t; the rows past T are scratch.
+    group with row_token[r] = t; the rows past T are scratch. ``gather`` (with combine;
+    ``fused_moe_gathers``): x is the tokens' rows [T, H], row r's x is x[row_token[r]], copied in the kernel.
     """
     down_transposed = transposed if down_transposed is None else down_transposed
     m, h = x.shape
+    if gather:  # x holds the tokens' rows; the rows are combine's
+        if combine is None:
+            raise ValueError("fused_moe: gather=True needs combine (each row's token)")
+        m = combine[0].shape[0]
     g = gate_up.shape[0]
     i = (gate_up.shape[1] if transposed else gate_up.shape[2]) // 2
     out_dtype = jnp.dtype(out_dtype or x.dtype)
@@ -1389,12 +1438,18 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
         row_token, row_weight, num_tokens = combine
         prefetch.append(jnp.pad(row_token.astype(jnp.int32), (0, -(-m // tm) * tm + ADD_ROWS - m)))
         in_specs.insert(1, pl.BlockSpec((tm, 1), imap(lambda it, j, fg, ft: (ft[it], 0))))
+        if gather:  # whole native tiles of the tokens' rows
+            operands[0] = x = jnp.pad(x, ((0, -x.shape[0] % sub), (0, 0)))
+            in_specs[0] = pl.BlockSpec(x.shape, lambda *_: (0, 0))
         operands.insert(1, row_weight.reshape(m, 1))
         comb = (out_dtype, jnp.promote_types(out_dtype, row_weight.dtype))
         out_dtype = jnp.dtype(jnp.float32)
         rows = _round_up(num_tokens + 1, 8)  # the tokens' sums, a trash row, whole sublane tiles
         out_shape, out_spec = (rows, h), pl.BlockSpec((rows, h), lambda *_: (0, 0))  # one buffer, written once
         scratch += [pltpu.VMEM((chunk + ADD_ROWS, h), jnp.float32)]
+        if gather:
+            scratch += [pltpu.VMEM(x.shape, jnp.float32), pltpu.VMEM((chunk + ADD_ROWS, h), jnp.float32)]
+            need += gather_vmem_bytes(x.shape[0], h, tm, chunk, x.dtype.itemsize)
         out_bytes = rows * h * 4
         need = moe_vmem_bytes(tm, chunk, h, i, x.dtype.itemsize, 0, gate_up.dtype.itemsize, ti) + combine_vmem_bytes(
             num_tokens, h, chunk)
@@ -1403,7 +1458,7 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
                                down_transposed=down_transposed,
                                activation=activation, interleaved=interleaved, alpha=float(alpha),
                                limit=float(limit), has_bias=gate_up_bias is not None, quant=quant, i_tiles=nt,
-                               combine=comb)
+                               combine=comb, gather=gather)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
