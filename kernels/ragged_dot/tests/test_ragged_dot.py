@@ -240,6 +240,20 @@ def test_run_metadata_items_are_the_maximal_runs_of_tile_and_group(load_kernel, 
         if item_group[i] < g:
             last = (item_group[i], item_tile[i])
         assert (fetch_group[i], fetch_tile[i]) == last
+    # windows: runs of up to tm rows of one group from the group's first row, wherever the tiles lie
+    bounds, item_group, item_row, fetch_group, fetch_item, n = (np.asarray(a) for a in P.run_metadata(
+        jnp.asarray(rows, jnp.int32), tm, g, windows=4))
+    first = {k: int(np.argmax(key == k)) for k in set(key)}
+    want = [r for r in range(m) if (r - first[key[r]]) % tm == 0]
+    assert int(n) == len(want) and list(bounds[:n]) == want and set(bounds[n:]) == {m}
+    assert len(item_group) >= n
+    last = (0, 0)
+    for i in range(int(n)):
+        lo, hi = bounds[i], bounds[i + 1]
+        assert set(key[lo:hi]) == {item_group[i]} and 0 < hi - lo <= tm and item_row[i] == lo // 4 * 4
+        if item_group[i] < g:
+            last = (item_group[i], i)
+        assert (fetch_group[i], fetch_item[i]) == last
 
 
 def test_all_empty_groups_items_are_tail_only(load_kernel):
@@ -534,6 +548,8 @@ def _combined_reference(x, ids, w, expert, num_experts):
     ("fast", "halves", "float32", 256, 128, 64, 32, False),  # intermediate tiles: added at the last one
     ("fast", "interleaved", "float32", 192, 64, 64, 32, True),  # GPT-OSS: interleaved, biases, 3 tiles
     ("fast", "interleaved", "float32", 192, 64, 128, 32, False),  # one row tile, chunks pulled back in it
+    ("fast", "interleaved", "float32", 192, 64, 16, 8, True),  # groups split into 16-row windows, 3 tiles
+    ("fast", "halves", "bfloat16", 128, 128, 16, 16, True),  # whole slabs, 16-row windows
     pytest.param("strict", "halves", "bfloat16", 128, 128, 32, 16, True, marks=pytest.mark.strict_interpret),
     pytest.param("strict", "interleaved", "float32", 192, 64, 32, 16, False, marks=pytest.mark.strict_interpret)])
 def test_fused_moe_combines_rows_into_their_tokens(load_kernel, mode, layout, dtype, i, ti, tm, chunk, gather):
@@ -591,10 +607,13 @@ def test_fused_moe_combines_where_a_row_costs_less_than_its_hbm_trips(load_kerne
     assert combines(8192, "v6e") and not combines(8192, "v6e", h=2816, i=704)
     assert combines(64, "v6e") and combines(2048, None)  # off TPU: v6e's speeds, the smallest VMEM
 
-    def gathers(tokens, chip, h=2048, i=768, k=8, dtype=jnp.bfloat16):  # where the tokens' rows fit too
-        tiling = P.fused_moe_tiling(tokens * k, h, i, in_dtype=dtype, out_dtype=dtype, chip=chip, groups=128)
-        return P.fused_moe_gathers(tokens, h, i, tiling, in_dtype=dtype, out_dtype=dtype, chip=chip)
-    assert gathers(2048, "v6e") and gathers(2048, "v5e") and not gathers(8192, "v6e")
+    def gathers(tokens, chip, h=2048, i=768, k=8, dtype=jnp.bfloat16, e=128, **kw):  # where the tokens' rows fit too
+        tiling = P.fused_moe_tiling(tokens * k, h, i, in_dtype=dtype, out_dtype=dtype, chip=chip, groups=e, **kw)
+        return P.fused_moe_gather_tiling(tokens, h, i, tiling, in_dtype=dtype, out_dtype=dtype, chip=chip)
+    assert gathers(2048, "v6e") == (1024, 160, 768) and gathers(2048, "v5e") and gathers(8192, "v6e") is None
+    # GPT-OSS-20B's tiled experts: in windows of 512 rows (an accumulator of 1024 would not fit)
+    gpt_oss = dict(h=2880, i=2880, k=4, e=32, transposed=False, interleaved=True, down_transposed=False)
+    assert gathers(2048, "v6e", **gpt_oss) == (512, 256, 960)
 
 
 def test_fused_moe_tiles_the_intermediate_where_the_layer_waits_on_weights(load_kernel):

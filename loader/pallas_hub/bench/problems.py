@@ -25,7 +25,8 @@ cache (fp8 e4m3 or int8 with f32 scales per KV head, ``k_scale, v_scale`` append
 implementations that declare the format race it.
 
 Bulk data is abstract (ShapeDtypeStructs); what steers the kernels (routing, lengths, page tables)
-is concrete, so the cost model follows the real control flow. ``min_bytes``/``min_flops`` are the
+is concrete, so the cost model follows the real control flow (the routing weights too: a kernel may
+take them in SMEM). ``min_bytes``/``min_flops`` are the
 least any implementation must move and compute: the ideal time is their roofline.
 """
 
@@ -254,7 +255,7 @@ def moe_problem(m: Model, tokens: int, fmt: str = "bf16") -> Problem:
         "moe", m.name, f"{m.short} MoE layer T={tokens}" + ("" if fmt == "bf16" else f" {fmt}"),
         {"tokens": tokens, "hidden": h, "experts": e, "top_k": k, "intermediate": i, "active_experts": active,
          "format": fmt, "storage": storage},
-        (sds((tokens, h)), jnp.asarray(ids), sds((tokens, k), jnp.float32), gate_up, down, jnp.asarray(logits))
+        (sds((tokens, h)), jnp.asarray(ids), jnp.asarray(w), gate_up, down, jnp.asarray(logits))
         + scales, {"top_k": k},
         min_bytes=active * per_expert + 2 * tokens * h * 2 + tokens * k * 8, min_flops=2 * tokens * k * 3 * h * i,
         check=functools.partial(_moe_check, ct, fmt), check_key=("moe", ct, fmt, storage),

@@ -261,7 +261,7 @@ def rows_of_groups(group_sizes: jax.Array, m: int) -> jax.Array:
     return jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right", method="compare_all").astype(jnp.int32)
 
 
-def run_metadata(row_groups: jax.Array, tm: int, num_groups: int):
+def run_metadata(row_groups: jax.Array, tm: int, num_groups: int, windows: int | None = None):
     """Work items for a forward grouped matmul from the group of each row, computed on device in a few XLA
     ops: what a MoE layer's routing sort gives, so it needs no group sizes nor their per-group offsets
     (each a chain of small launches on the TPU). ``row_groups`` must be ascending, in [0, num_groups]
@@ -272,13 +272,22 @@ def run_metadata(row_groups: jax.Array, tm: int, num_groups: int):
     items are m); ``item_group == num_groups`` marks rows of no group (nothing computed, zeros written).
     ``fetch_*`` are the block indices of the latest item with data, so items of no group move nothing.
     Other values count as no group: no index can leave the arrays, whatever the values.
+
+    ``windows`` (a native row tile; for a kernel whose rows are not blocks in HBM): an item is instead a
+    window of up to tm rows of one group from the group's first row, so no group splits at a tile edge;
+    ``item_tile`` is the item's first row rounded down to a multiple of ``windows`` and ``fetch_tile``
+    the index of the latest item with data.
     """
     m = row_groups.shape[0]
     g = num_groups
     size = -(-m // tm) + g + 1  # static bound: runs start at a tile's first row or where the group changes
     r = jnp.arange(m, dtype=jnp.int32)
     key = jnp.where((row_groups >= 0) & (row_groups < g), row_groups, g).astype(jnp.int32)
-    starts = (r % tm == 0) | (key != jnp.concatenate([key[:1], key[:-1]]))
+    if windows:  # each group's first row: the rows before it (keys ascending)
+        first = jnp.cumsum(jnp.bincount(key, length=g + 1)) - jnp.bincount(key, length=g + 1)
+        starts = (r - first[key]) % tm == 0
+    else:
+        starts = (r % tm == 0) | (key != jnp.concatenate([key[:1], key[:-1]]))
     first_rows = lax.sort(jnp.where(starts, r, m + r))  # the runs' first rows in order: one sort compacts them
     bounds = jnp.minimum(jnp.pad(first_rows, (0, max(size + 1 - m, 0)), constant_values=m)[:size + 1], m)
     num_items = jnp.sum(starts, dtype=jnp.int32)
@@ -286,13 +295,13 @@ def run_metadata(row_groups: jax.Array, tm: int, num_groups: int):
     n = jnp.arange(size, dtype=jnp.int32)
     row = jnp.minimum(bounds[:size], m - 1)
     item_group = jnp.where(n < num_items, key[row], g).astype(jnp.int32)
-    item_tile = (row // tm).astype(jnp.int32)
+    item_tile = (row // windows * windows if windows else row // tm).astype(jnp.int32)
     # rows of no group sort last, so their items follow every item with data: they keep its blocks (a
     # clamp, not a running max: on the TPU a cummax is a chain of five launches; vector ops, as scalar
     # ones would be launches of their own)
     src = jnp.maximum(jnp.minimum(n + 1, with_data) - 1, 0)
     fetch_group = jnp.where(item_group[src] < g, item_group[src], 0)  # no group anywhere: any valid block
-    return bounds, item_group, item_tile, fetch_group, item_tile[src], num_items
+    return bounds, item_group, item_tile, fetch_group, src if windows else item_tile[src], num_items
 
 
 def sort_by_expert(top_k_index: jax.Array, num_experts: int):
@@ -1010,10 +1019,13 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
                 transposed, down_transposed, activation, interleaved, alpha, limit, has_bias, quant, i_tiles,
                 combine, gather):
     del fetch_tile
-    if combine is not None:  # each row's token (scalar-prefetched) and routing weight; a chunk of weighted rows
+    if gather:  # each row's token and routing weight (f32 bits), scalar-prefetched; the tokens' rows (HBM) and
+        # their f32 copy, a chunk's rows gathered from it and their weights (each row's in every lane); the
+        # staging buffer the tokens' rows come through
+        row_token, row_weight, x_ref, refs = refs[0], refs[1], refs[2], refs[3:]
+        refs, (ybuf, xs, xbuf, wbuf, stage, sem) = refs[:-6], refs[-6:]
+    elif combine is not None:  # each row's token (scalar-prefetched) and routing weight; a chunk of weighted rows
         row_token, x_ref, row_weight, refs = refs[0], refs[1], refs[2], refs[3:]
-        if gather:  # the tokens' rows in f32, and the chunk's rows gathered from them
-            refs, (xs, xbuf) = refs[:-2], refs[-2:]
         refs, ybuf = refs[:-1], refs[-1]
     else:
         x_ref, refs = refs[0], refs[1:]
@@ -1024,6 +1036,10 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
         refs, acc_ref = refs[:-1], refs[-1]
     i, j = pl.program_id(0), pl.program_id(1)
     grp, tile = item_group[i], item_tile[i]
+    # the item's rows lie in [row0, row0 + span): a tile, or (gathering: rows need no blocks) a window of
+    # run_metadata(windows=sub) from a native tile's first row
+    sub = _sublanes(x_ref.dtype)
+    row0, span = (tile, tm + sub) if gather else (tile * tm, tm)
     col_scales, d_scale = [None, None], None
     # each slab's value as the MXU takes it: read from VMEM, or (quantized) dequantized to x's dtype
     weights, down = [lambda w=w: w[...] for w in w_refs], lambda: d_ref[...]  # noqa: E731
@@ -1066,18 +1082,24 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
                 sums[pl.ds(pl.multiple_of(b * 8, 8), 8), :] = jnp.zeros((8, sums.shape[1]), sums.dtype)
                 return carry
             lax.fori_loop(0, sums.shape[0] // 8, zero, 0)
-            if gather:  # the tokens' rows as f32 (rows of 32 bits: one sublane each, any row loads alone)
-                block = _sublanes(x_ref.dtype)
+            if gather:  # the tokens' rows as f32 (rows of 32 bits: one sublane each, any row loads alone),
+                # through a staging buffer: the rows in x's dtype never sit in VMEM whole
+                def widen(p, carry):
+                    r = pl.multiple_of(p * stage.shape[0], stage.shape[0])
+                    copy = pltpu.make_async_copy(x_ref.at[pl.ds(r, stage.shape[0])], stage, sem)
+                    copy.start()
+                    copy.wait()
 
-                def widen(b, carry):
-                    r = pl.multiple_of(b * block, block)
-                    xs[pl.ds(r, block), :] = x_ref[pl.ds(r, block), :].astype(jnp.float32)
-                    return carry
-                lax.fori_loop(0, x_ref.shape[0] // block, widen, 0)
+                    def rows(b, carry):
+                        rb = pl.multiple_of(b * sub, sub)
+                        xs[pl.ds(r + rb, sub), :] = stage[pl.ds(rb, sub), :].astype(jnp.float32)
+                        return carry
+                    return lax.fori_loop(0, stage.shape[0] // sub, rows, carry)
+                lax.fori_loop(0, x_ref.shape[0] // stage.shape[0], widen, 0)
 
         def gather_rows(r0, start, end):
             """x of the chunk's rows of this group, gathered from the tokens' rows (others: stale)."""
-            base = tile * tm + r0
+            base = row0 + r0
             lo, hi = jnp.clip(start - base, 0, chunk), jnp.clip(end - base, 0, chunk)
 
             def copy(n, carry):
@@ -1085,6 +1107,8 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
                     r = lo + n * ADD_ROWS + u
                     t = jnp.where(r < hi, row_token[base + r], 0)
                     xbuf[pl.ds(r, 1), :] = xs[pl.ds(t, 1), :]
+                    w = lax.bitcast_convert_type(row_weight[base + r], jnp.float32)
+                    wbuf[pl.ds(r, 1), :] = jnp.full((1, wbuf.shape[1]), w, jnp.float32)
                 return carry
             lax.fori_loop(0, lax.div(hi - lo + ADD_ROWS - 1, ADD_ROWS), copy, 0)
             return xbuf[pl.ds(0, chunk), :].astype(x_ref.dtype)
@@ -1092,9 +1116,9 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
         def add_rows(y, r0, new, start, end):
             """Each of the chunk's rows of this group (once), weighted, into its token's sum: the unsort
             and the top-k sum of the layer, in VMEM (rounded and weighted as the result rows would be)."""
-            w = row_weight[pl.ds(r0, chunk), :].astype(prod_dtype)
+            w = (wbuf[pl.ds(0, chunk), pl.ds(0, 1)] if gather else row_weight[pl.ds(r0, chunk), :]).astype(prod_dtype)
             ybuf[pl.ds(0, chunk), :] = (y.astype(y_dtype).astype(prod_dtype) * w).astype(jnp.float32)
-            base = tile * tm + r0
+            base = row0 + r0
             lo, hi = jnp.clip(jnp.maximum(start - base, new), 0, chunk), jnp.clip(end - base, 0, chunk)
             trash = sums.shape[0] - 1
 
@@ -1129,7 +1153,7 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
             if combine is not None:
                 return add_rows(y, r0, new, start, end)
             rows = pl.ds(r0, chunk)
-            r = tile * tm + r0 + lax.broadcasted_iota(jnp.int32, y.shape, 0)
+            r = row0 + r0 + lax.broadcasted_iota(jnp.int32, y.shape, 0)
             mine = jnp.logical_and(r >= start, r < end)
             out_ref[rows, :] = jnp.where(mine, y.astype(out_ref.dtype), out_ref[rows, :])
 
@@ -1163,8 +1187,8 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
             def _last():
                 finish(y, r0, new)
 
-        _for_group_rows(jnp.clip(start - tile * tm, 0, tm), jnp.clip(end - tile * tm, 0, tm), tm=tm, chunk=chunk,
-                        sub=_sublanes(x_ref.dtype), body=chunk_rows, fresh=True)
+        _for_group_rows(jnp.clip(start - row0, 0, span), jnp.clip(end - row0, 0, span), tm=span, chunk=chunk,
+                        sub=sub, body=chunk_rows, fresh=True)
 
 
 def moe_vmem_bytes(tm, chunk, h, i, in_bytes, out_bytes, w_bytes=None, ti=None):
@@ -1301,6 +1325,7 @@ ADD_ROWS = 4
 COMBINE_CYCLES = 0.84
 COMBINE_VMEM = 0.8
 HIDDEN_COMBINE_RIDGE = 0.25
+GATHER_STAGE_ROWS = 128  # the tokens' rows reach their f32 copy in VMEM this many at a time
 
 
 def fused_moe_combines(tokens: int, h: int, i: int, tiling, *, in_dtype, out_dtype, w_dtype=None,
@@ -1327,23 +1352,35 @@ def combine_vmem_bytes(tokens: int, h: int, chunk: int) -> int:
     return (_round_up(tokens + 1, 8) + chunk + ADD_ROWS) * h * 4
 
 
-def gather_vmem_bytes(tokens: int, h: int, tm: int, chunk: int, in_bytes: int) -> int:
-    """The tokens' rows (one buffer) and their f32 copy, a chunk of gathered rows; no x tiles."""
-    return tokens * h * (in_bytes + 4) + (chunk + ADD_ROWS) * h * 4 - 2 * tm * h * in_bytes
+def gather_vmem_bytes(tokens: int, h: int, tm: int, chunk: int, in_bytes: int, i_tiled: bool = False) -> int:
+    """The tokens' f32 rows and their staging buffer, a chunk of gathered rows and their weights; no x tiles.
+    ``i_tiled``: the accumulator's extra native tile of rows (a window starts within one)."""
+    rows = _round_up(tokens, GATHER_STAGE_ROWS)
+    return (rows * h * 4 + GATHER_STAGE_ROWS * h * in_bytes + (chunk + ADD_ROWS) * (h + 128) * 4
+            - 2 * tm * h * in_bytes + (16 * h * 4 if i_tiled else 0))
 
 
-def fused_moe_gathers(tokens: int, h: int, i: int, tiling, *, in_dtype, out_dtype, w_dtype=None, chip=None) -> bool:
-    """Whether a combining fused MLP (``fused_moe_combines``) should also gather its rows' x from the tokens'
-    rows held in VMEM (``fused_moe(gather=True)``): where they fit too. A row copy costs the core less than
-    a combine's add, and saves the gathered [T * k, H] rows' trip through HBM and back (the XLA gather's
-    write, the kernel's read): Qwen3-30B-A3B at 2048 tokens, layer us 1795.7 -> 1750.8 on v5e, 888.3 ->
-    851.4 on v6e; Gemma-4 26B-A4B 2291.7 -> 2210.5, 1112.7 -> 1056.7 (the cost model)."""
+def fused_moe_gather_tiling(tokens: int, h: int, i: int, tiling, *, in_dtype, out_dtype, w_dtype=None,
+                            chip=None):
+    """The tiling at which a combining fused MLP (``fused_moe_combines``) should also gather its rows' x from
+    the tokens' rows held in VMEM (``fused_moe(gather=True)``), or None: where they fit too, in windows of
+    ``tiling``'s rows or fewer (halved down to 256; only an accumulator of intermediate tiles needs them, and
+    a window splits a group only where it has more rows). A row copy costs the core less than a combine's
+    add, and saves the gathered [T * k, H] rows' trip through HBM and back (the XLA gather's write, the
+    kernel's read); and as the rows need no tiles in HBM, no group is split at a tile edge (which refetches
+    its expert's weights). The cost model: Qwen3-30B-A3B at 2048 tokens, layer us 1795.7 -> 1750.8 on v5e,
+    888.3 -> 851.4 on v6e; Gemma-4 26B-A4B 2291.7 -> 2210.5, 1112.7 -> 1056.7 (before the windows)."""
     spec = _chip(chip)
     tm, chunk, ti = tiling
     b = jnp.dtype(in_dtype).itemsize
-    need = moe_vmem_bytes(tm, chunk, h, i, b, 0, jnp.dtype(w_dtype or in_dtype).itemsize, ti) + combine_vmem_bytes(
-        tokens, h, chunk) + gather_vmem_bytes(tokens, h, tm, chunk, b)
-    return need <= COMBINE_VMEM * spec.vmem_bytes
+    while True:
+        need = moe_vmem_bytes(tm, chunk, h, i, b, 0, jnp.dtype(w_dtype or in_dtype).itemsize, ti) + combine_vmem_bytes(
+            tokens, h, chunk) + gather_vmem_bytes(tokens, h, tm, chunk, b, i_tiled=ti < i)
+        if need <= COMBINE_VMEM * spec.vmem_bytes:
+            return tm, chunk, ti
+        if ti == i or tm // 2 < max(chunk, 256):
+            return None
+        tm //= 2
 
 
 def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="silu", interleaved=False,
@@ -1358,7 +1395,8 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     a group's rows in an m-tile; each expert's three weight slabs are fetched once. ``ti``: the slabs
     come ti of the intermediate's I units at a time (one grid step each; ``moe_intermediate_tiles``), the
     down products summed in f32 VMEM (an expert split between m-tiles is fetched again for the second one,
-    but for the block at the turn: odd m-tiles take the intermediate's tiles in reverse).
+    but for the block at the turn: odd m-tiles take the intermediate's tiles in reverse; with ``gather`` no
+    expert is split but one with more than tm rows).
     ``down_transposed`` (default: ``transposed``) gives down's layout on its own.
     ``gate_up_scale`` / ``down_scale``: quantized weights (``QUANT_DTYPES``, transposed layout),
     dequantized to x's dtype in VMEM once per expert, or inside each chunk's dots (``in_dots``; default
@@ -1367,7 +1405,8 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     (``fused_moe_combines``): returns f32 [round_up(T + 1, 8), H] whose row t < T sums row_weight[r] * result
     row r (rounded to out_dtype, multiplied in its promotion with row_weight's dtype) over the rows r of a
     group with row_token[r] = t; the rows past T are scratch. ``gather`` (with combine;
-    ``fused_moe_gathers``): x is the tokens' rows [T, H], row r's x is x[row_token[r]], copied in the kernel.
+    ``fused_moe_gather_tiling``): x is the tokens' rows [T, H], row r's x is x[row_token[r]], copied in the
+    kernel; the items are then windows of up to tm rows of a group (``run_metadata(windows=...)``).
     """
     down_transposed = transposed if down_transposed is None else down_transposed
     m, h = x.shape
@@ -1396,11 +1435,11 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
                          "blocks (moe_intermediate_tiles)")
     nt = i // ti
     bounds, item_group, item_tile, fetch_group, fetch_tile, num_items = run_metadata(
-        rows_of_groups(group_sizes, m) if row_groups is None else row_groups, tm, g)
+        rows_of_groups(group_sizes, m) if row_groups is None else row_groups, tm, g, windows=sub if gather else None)
 
     def tile(j, group, row_tile):
-        # odd row tiles take the intermediate's tiles in reverse, so an expert split between two row tiles
-        # reuses the block at the turn; items of no group hold the last block fetched (nothing to fetch)
+        # odd row tiles (windows: odd items) take the intermediate's tiles in reverse, so an expert split
+        # between two of them reuses the block at the turn; items of no group hold the last block fetched
         j = jnp.where(group < g, j, nt - 1)
         return jnp.where(row_tile % 2 == 1, nt - 1 - j, j)
 
@@ -1437,31 +1476,37 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
                          for a in (gate_up_scale, down_scale)]
         operands += [gate_up_scale, down_scale]  # f32 (validated by the experts op)
         scratch = [] if in_dots else [pltpu.VMEM((i, h), x.dtype), pltpu.VMEM((i, h), x.dtype), pltpu.VMEM((h, i), x.dtype)]
-    if nt > 1:
-        scratch = [pltpu.VMEM((tm, h), jnp.float32)]
+    if nt > 1:  # a window's rows start up to a native tile before the window (gather)
+        scratch = [pltpu.VMEM((tm + sub if gather else tm, h), jnp.float32)]
     prefetch = [bounds, item_group, item_tile, fetch_group, fetch_tile]
+    stage_rows = min(GATHER_STAGE_ROWS, _round_up(x.shape[0], sub))
     out_shape, out_spec = (m, h), pl.BlockSpec((tm, h), lambda it, j, off, ig, itl, fg, ft, *_: (itl[it], 0))
     comb, out_bytes = None, m * h * out_dtype.itemsize
     need = moe_vmem_bytes(tm, chunk, h, i, x.dtype.itemsize, out_dtype.itemsize, gate_up.dtype.itemsize, ti)
     if combine is not None:
         row_token, row_weight, num_tokens = combine
-        prefetch.append(jnp.pad(row_token.astype(jnp.int32), (0, -(-m // tm) * tm + ADD_ROWS - m)))
-        in_specs.insert(1, pl.BlockSpec((tm, 1), imap(lambda it, j, fg, ft: (ft[it], 0))))
-        if gather:  # whole native tiles of the tokens' rows
-            operands[0] = x = jnp.pad(x, ((0, -x.shape[0] % sub), (0, 0)))
-            in_specs[0] = pl.BlockSpec(x.shape, lambda *_: (0, 0))
-        operands.insert(1, row_weight.reshape(m, 1))
+        pad = (0, (m + tm + sub if gather else -(-m // tm) * tm) + ADD_ROWS - m)  # rows a chunk may read past m
+        prefetch.append(jnp.pad(row_token.astype(jnp.int32), pad))
         comb = (out_dtype, jnp.promote_types(out_dtype, row_weight.dtype))
+        if gather:  # the tokens' rows in whole staging blocks; the weights as f32 bits beside the tokens
+            operands[0] = x = jnp.pad(x, ((0, -x.shape[0] % stage_rows), (0, 0)))
+            in_specs[0] = pl.BlockSpec(memory_space=pl.ANY)
+            prefetch.append(jnp.pad(lax.bitcast_convert_type(row_weight.astype(jnp.float32), jnp.int32), pad))
+        else:
+            in_specs.insert(1, pl.BlockSpec((tm, 1), imap(lambda it, j, fg, ft: (ft[it], 0))))
+            operands.insert(1, row_weight.reshape(m, 1))
         out_dtype = jnp.dtype(jnp.float32)
         rows = _round_up(num_tokens + 1, 8)  # the tokens' sums, a trash row, whole sublane tiles
         out_shape, out_spec = (rows, h), pl.BlockSpec((rows, h), lambda *_: (0, 0))  # one buffer, written once
         scratch += [pltpu.VMEM((chunk + ADD_ROWS, h), jnp.float32)]
-        if gather:
-            scratch += [pltpu.VMEM(x.shape, jnp.float32), pltpu.VMEM((chunk + ADD_ROWS, h), jnp.float32)]
-            need += gather_vmem_bytes(x.shape[0], h, tm, chunk, x.dtype.itemsize)
         out_bytes = rows * h * 4
         need = moe_vmem_bytes(tm, chunk, h, i, x.dtype.itemsize, 0, gate_up.dtype.itemsize, ti) + combine_vmem_bytes(
             num_tokens, h, chunk)
+        if gather:
+            scratch += [pltpu.VMEM(x.shape, jnp.float32), pltpu.VMEM((chunk + ADD_ROWS, h), jnp.float32),
+                        pltpu.VMEM((chunk + ADD_ROWS, 128), jnp.float32), pltpu.VMEM((stage_rows, h), x.dtype),
+                        pltpu.SemaphoreType.DMA(())]
+            need += gather_vmem_bytes(num_tokens, h, tm, chunk, x.dtype.itemsize, i_tiled=nt > 1)
     need += 2 * 4 * (gate_up_scale.size + down_scale.size) if quant and quant.channel else 0
     kernel = functools.partial(_moe_kernel, tm=tm, chunk=chunk, num_groups=g, transposed=transposed,
                                down_transposed=down_transposed,
