@@ -550,6 +550,7 @@ def _combined_reference(x, ids, w, expert, num_experts):
     ("fast", "interleaved", "float32", 192, 64, 128, 32, False),  # one row tile, chunks pulled back in it
     ("fast", "interleaved", "float32", 192, 64, 16, 8, True),  # groups split into 16-row windows, 3 tiles
     ("fast", "halves", "bfloat16", 128, 128, 16, 16, True),  # whole slabs, 16-row windows
+    ("fast", "halves", "float32", 128, 128, 128, 16, True),  # all rows in one tile: no windows
     pytest.param("strict", "halves", "bfloat16", 128, 128, 32, 16, True, marks=pytest.mark.strict_interpret),
     pytest.param("strict", "interleaved", "float32", 192, 64, 32, 16, False, marks=pytest.mark.strict_interpret)])
 def test_fused_moe_combines_rows_into_their_tokens(load_kernel, mode, layout, dtype, i, ti, tm, chunk, gather):

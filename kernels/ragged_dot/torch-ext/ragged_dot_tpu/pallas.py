@@ -283,9 +283,12 @@ def run_metadata(row_groups: jax.Array, tm: int, num_groups: int, windows: int |
     size = -(-m // tm) + g + 1  # static bound: runs start at a tile's first row or where the group changes
     r = jnp.arange(m, dtype=jnp.int32)
     key = jnp.where((row_groups >= 0) & (row_groups < g), row_groups, g).astype(jnp.int32)
-    if windows:  # each group's first row: the rows before it (keys ascending)
-        first = jnp.cumsum(jnp.bincount(key, length=g + 1)) - jnp.bincount(key, length=g + 1)
-        starts = (r - first[key]) % tm == 0
+    if windows:  # each row's group's first row: the rows before the group (keys ascending); compares against
+        # every group, not a bincount and a gather (on the TPU a scatter and a serial gather of m indices)
+        mine = key[:, None] == jnp.arange(g + 1, dtype=jnp.int32)[None, :]
+        counts = jnp.sum(mine, axis=0, dtype=jnp.int32)
+        first = jnp.sum(jnp.where(mine, (jnp.cumsum(counts) - counts)[None, :], 0), axis=1)
+        starts = (r - first) % tm == 0
     else:
         starts = (r % tm == 0) | (key != jnp.concatenate([key[:1], key[:-1]]))
     first_rows = lax.sort(jnp.where(starts, r, m + r))  # the runs' first rows in order: one sort compacts them
@@ -1017,15 +1020,17 @@ def reference(lhs, rhs, group_sizes, rhs_transposed=False, out_dtype=None):
 
 def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, tm, chunk, num_groups,
                 transposed, down_transposed, activation, interleaved, alpha, limit, has_bias, quant, i_tiles,
-                combine, gather):
+                combine, gather, windows):
     del fetch_tile
-    if gather:  # each row's token and routing weight (f32 bits), scalar-prefetched; the tokens' rows (HBM) and
-        # their f32 copy, a chunk's rows gathered from it and their weights (each row's in every lane); the
-        # staging buffer the tokens' rows come through
-        row_token, row_weight, x_ref, refs = refs[0], refs[1], refs[2], refs[3:]
-        refs, (ybuf, xs, xbuf, wbuf, stage, sem) = refs[:-6], refs[-6:]
-    elif combine is not None:  # each row's token (scalar-prefetched) and routing weight; a chunk of weighted rows
-        row_token, x_ref, row_weight, refs = refs[0], refs[1], refs[2], refs[3:]
+    if combine is not None:  # each row's token (scalar-prefetched) and routing weight: the tile's rows' block,
+        # or (windows) all rows' as f32 bits, scalar-prefetched too; a chunk of weighted rows
+        if windows:
+            row_token, row_weight, x_ref, refs = refs[0], refs[1], refs[2], refs[3:]
+            refs, wbuf = refs[:-1], refs[-1]  # the chunk's rows' weights, each row's in every lane
+        else:
+            row_token, x_ref, row_weight, refs = refs[0], refs[1], refs[2], refs[3:]
+        if gather:  # the tokens' rows' f32 copy, a chunk's rows gathered from it, the rows' staging buffer
+            refs, (xs, xbuf, stage, sem) = refs[:-4], refs[-4:]
         refs, ybuf = refs[:-1], refs[-1]
     else:
         x_ref, refs = refs[0], refs[1:]
@@ -1036,10 +1041,10 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
         refs, acc_ref = refs[:-1], refs[-1]
     i, j = pl.program_id(0), pl.program_id(1)
     grp, tile = item_group[i], item_tile[i]
-    # the item's rows lie in [row0, row0 + span): a tile, or (gathering: rows need no blocks) a window of
-    # run_metadata(windows=sub) from a native tile's first row
+    # the item's rows lie in [row0, row0 + span): a tile, or a window of run_metadata(windows=sub) from a
+    # native tile's first row
     sub = _sublanes(x_ref.dtype)
-    row0, span = (tile, tm + sub) if gather else (tile * tm, tm)
+    row0, span = (tile, tm + sub) if windows else (tile * tm, tm)
     col_scales, d_scale = [None, None], None
     # each slab's value as the MXU takes it: read from VMEM, or (quantized) dequantized to x's dtype
     weights, down = [lambda w=w: w[...] for w in w_refs], lambda: d_ref[...]  # noqa: E731
@@ -1107,8 +1112,9 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
                     r = lo + n * ADD_ROWS + u
                     t = jnp.where(r < hi, row_token[base + r], 0)
                     xbuf[pl.ds(r, 1), :] = xs[pl.ds(t, 1), :]
-                    w = lax.bitcast_convert_type(row_weight[base + r], jnp.float32)
-                    wbuf[pl.ds(r, 1), :] = jnp.full((1, wbuf.shape[1]), w, jnp.float32)
+                    if windows:
+                        w = lax.bitcast_convert_type(row_weight[base + r], jnp.float32)
+                        wbuf[pl.ds(r, 1), :] = jnp.full((1, wbuf.shape[1]), w, jnp.float32)
                 return carry
             lax.fori_loop(0, lax.div(hi - lo + ADD_ROWS - 1, ADD_ROWS), copy, 0)
             return xbuf[pl.ds(0, chunk), :].astype(x_ref.dtype)
@@ -1116,7 +1122,7 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
         def add_rows(y, r0, new, start, end):
             """Each of the chunk's rows of this group (once), weighted, into its token's sum: the unsort
             and the top-k sum of the layer, in VMEM (rounded and weighted as the result rows would be)."""
-            w = (wbuf[pl.ds(0, chunk), pl.ds(0, 1)] if gather else row_weight[pl.ds(r0, chunk), :]).astype(prod_dtype)
+            w = (wbuf[pl.ds(0, chunk), pl.ds(0, 1)] if windows else row_weight[pl.ds(r0, chunk), :]).astype(prod_dtype)
             ybuf[pl.ds(0, chunk), :] = (y.astype(y_dtype).astype(prod_dtype) * w).astype(jnp.float32)
             base = row0 + r0
             lo, hi = jnp.clip(jnp.maximum(start - base, new), 0, chunk), jnp.clip(end - base, 0, chunk)
@@ -1434,8 +1440,9 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
         raise ValueError(f"fused_moe: ti={ti} must divide the intermediate size {i} and fit the weights' "
                          "blocks (moe_intermediate_tiles)")
     nt = i // ti
+    windows = sub if gather and m > tm else None  # (one tile splits no group: a window at row 0 is the tile)
     bounds, item_group, item_tile, fetch_group, fetch_tile, num_items = run_metadata(
-        rows_of_groups(group_sizes, m) if row_groups is None else row_groups, tm, g, windows=sub if gather else None)
+        rows_of_groups(group_sizes, m) if row_groups is None else row_groups, tm, g, windows=windows)
 
     def tile(j, group, row_tile):
         # odd row tiles (windows: odd items) take the intermediate's tiles in reverse, so an expert split
@@ -1476,8 +1483,8 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
                          for a in (gate_up_scale, down_scale)]
         operands += [gate_up_scale, down_scale]  # f32 (validated by the experts op)
         scratch = [] if in_dots else [pltpu.VMEM((i, h), x.dtype), pltpu.VMEM((i, h), x.dtype), pltpu.VMEM((h, i), x.dtype)]
-    if nt > 1:  # a window's rows start up to a native tile before the window (gather)
-        scratch = [pltpu.VMEM((tm + sub if gather else tm, h), jnp.float32)]
+    if nt > 1:  # a window's rows start up to a native tile before the window
+        scratch = [pltpu.VMEM((tm + sub if windows else tm, h), jnp.float32)]
     prefetch = [bounds, item_group, item_tile, fetch_group, fetch_tile]
     stage_rows = min(GATHER_STAGE_ROWS, _round_up(x.shape[0], sub))
     out_shape, out_spec = (m, h), pl.BlockSpec((tm, h), lambda it, j, off, ig, itl, fg, ft, *_: (itl[it], 0))
@@ -1485,16 +1492,17 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     need = moe_vmem_bytes(tm, chunk, h, i, x.dtype.itemsize, out_dtype.itemsize, gate_up.dtype.itemsize, ti)
     if combine is not None:
         row_token, row_weight, num_tokens = combine
-        pad = (0, (m + tm + sub if gather else -(-m // tm) * tm) + ADD_ROWS - m)  # rows a chunk may read past m
+        pad = (0, (m + tm + sub if windows else -(-m // tm) * tm) + ADD_ROWS - m)  # rows a chunk may read past m
         prefetch.append(jnp.pad(row_token.astype(jnp.int32), pad))
         comb = (out_dtype, jnp.promote_types(out_dtype, row_weight.dtype))
-        if gather:  # the tokens' rows in whole staging blocks; the weights as f32 bits beside the tokens
-            operands[0] = x = jnp.pad(x, ((0, -x.shape[0] % stage_rows), (0, 0)))
-            in_specs[0] = pl.BlockSpec(memory_space=pl.ANY)
+        if windows:  # the weights as f32 bits beside the tokens (a window's rows are no block)
             prefetch.append(jnp.pad(lax.bitcast_convert_type(row_weight.astype(jnp.float32), jnp.int32), pad))
         else:
             in_specs.insert(1, pl.BlockSpec((tm, 1), imap(lambda it, j, fg, ft: (ft[it], 0))))
             operands.insert(1, row_weight.reshape(m, 1))
+        if gather:  # the tokens' rows, in HBM, in whole staging blocks
+            operands[0] = x = jnp.pad(x, ((0, -x.shape[0] % stage_rows), (0, 0)))
+            in_specs[0] = pl.BlockSpec(memory_space=pl.ANY)
         out_dtype = jnp.dtype(jnp.float32)
         rows = _round_up(num_tokens + 1, 8)  # the tokens' sums, a trash row, whole sublane tiles
         out_shape, out_spec = (rows, h), pl.BlockSpec((rows, h), lambda *_: (0, 0))  # one buffer, written once
@@ -1504,15 +1512,16 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
             num_tokens, h, chunk)
         if gather:
             scratch += [pltpu.VMEM(x.shape, jnp.float32), pltpu.VMEM((chunk + ADD_ROWS, h), jnp.float32),
-                        pltpu.VMEM((chunk + ADD_ROWS, 128), jnp.float32), pltpu.VMEM((stage_rows, h), x.dtype),
-                        pltpu.SemaphoreType.DMA(())]
+                        pltpu.VMEM((stage_rows, h), x.dtype), pltpu.SemaphoreType.DMA(())]
             need += gather_vmem_bytes(num_tokens, h, tm, chunk, x.dtype.itemsize, i_tiled=nt > 1)
+        if windows:
+            scratch += [pltpu.VMEM((chunk + ADD_ROWS, 128), jnp.float32)]
     need += 2 * 4 * (gate_up_scale.size + down_scale.size) if quant and quant.channel else 0
     kernel = functools.partial(_moe_kernel, tm=tm, chunk=chunk, num_groups=g, transposed=transposed,
                                down_transposed=down_transposed,
                                activation=activation, interleaved=interleaved, alpha=float(alpha),
                                limit=float(limit), has_bias=gate_up_bias is not None, quant=quant, i_tiles=nt,
-                               combine=comb, gather=gather)
+                               combine=comb, gather=gather, windows=bool(windows))
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
