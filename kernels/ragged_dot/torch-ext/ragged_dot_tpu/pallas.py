@@ -1088,19 +1088,22 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
                 return carry
             lax.fori_loop(0, sums.shape[0] // 8, zero, 0)
             if gather:  # the tokens' rows as f32 (rows of 32 bits: one sublane each, any row loads alone),
-                # through a staging buffer: the rows in x's dtype never sit in VMEM whole
-                def widen(p, carry):
-                    r = pl.multiple_of(p * stage.shape[0], stage.shape[0])
-                    copy = pltpu.make_async_copy(x_ref.at[pl.ds(r, stage.shape[0])], stage, sem)
-                    copy.start()
-                    copy.wait()
+                # through a staging buffer: the rows in x's dtype never sit in VMEM whole. One flat loop
+                # (a nested one defeated the cost model's matching of compiled loops to the kernel's)
+                n = stage.shape[0]
 
-                    def rows(b, carry):
-                        rb = pl.multiple_of(b * sub, sub)
-                        xs[pl.ds(r + rb, sub), :] = stage[pl.ds(rb, sub), :].astype(jnp.float32)
-                        return carry
-                    return lax.fori_loop(0, stage.shape[0] // sub, rows, carry)
-                lax.fori_loop(0, x_ref.shape[0] // stage.shape[0], widen, 0)
+                def widen(b, carry):
+                    r = pl.multiple_of(b * sub, sub)
+                    rs = pl.multiple_of(r % n, sub)
+
+                    @pl.when(rs == 0)
+                    def _fetch():
+                        copy = pltpu.make_async_copy(x_ref.at[pl.ds(r, n)], stage, sem)
+                        copy.start()
+                        copy.wait()
+                    xs[pl.ds(r, sub), :] = stage[pl.ds(rs, sub), :].astype(jnp.float32)
+                    return carry
+                lax.fori_loop(0, x_ref.shape[0] // sub, widen, 0)
 
         def gather_rows(r0, start, end):
             """x of the chunk's rows of this group, gathered from the tokens' rows (others: stale)."""
