@@ -1371,25 +1371,20 @@ def gather_vmem_bytes(tokens: int, h: int, tm: int, chunk: int, in_bytes: int, i
 
 def fused_moe_gather_tiling(tokens: int, h: int, i: int, tiling, *, in_dtype, out_dtype, w_dtype=None,
                             chip=None):
-    """The tiling at which a combining fused MLP (``fused_moe_combines``) should also gather its rows' x from
-    the tokens' rows held in VMEM (``fused_moe(gather=True)``), or None: where they fit too, in windows of
-    ``tiling``'s rows or fewer (halved down to 256; only an accumulator of intermediate tiles needs them, and
-    a window splits a group only where it has more rows). A row copy costs the core less than a combine's
-    add, and saves the gathered [T * k, H] rows' trip through HBM and back (the XLA gather's write, the
-    kernel's read); and as the rows need no tiles in HBM, no group is split at a tile edge (which refetches
-    its expert's weights). The cost model: Qwen3-30B-A3B at 2048 tokens, layer us 1795.7 -> 1750.8 on v5e,
-    888.3 -> 851.4 on v6e; Gemma-4 26B-A4B 2291.7 -> 2210.5, 1112.7 -> 1056.7 (before the windows)."""
+    """``tiling`` where a combining fused MLP (``fused_moe_combines``) should also gather its rows' x from the
+    tokens' rows held in VMEM (``fused_moe(gather=True)``), else None: where they fit too. A row copy costs
+    the core less than a combine's add, and saves the gathered [T * k, H] rows' trip through HBM and back
+    (the XLA gather's write, the kernel's read); and as the rows need no tiles in HBM, the items are windows
+    of a group's rows, so no expert is split at a tile edge. The cost model: Qwen3-30B-A3B at 2048 tokens,
+    layer us 1795.7 -> 1750.8 on v5e, 888.3 -> 851.4 on v6e, Gemma-4 26B-A4B 2291.7 -> 2210.5, 1112.7 ->
+    1056.7 (before the windows). Shorter windows that would let intermediate tiles fit measured slower: each
+    tile copies the rows again (GPT-OSS-20B at 2048 tokens on v6e in 512-row windows: 1449.7 -> 1482.4)."""
     spec = _chip(chip)
     tm, chunk, ti = tiling
     b = jnp.dtype(in_dtype).itemsize
-    while True:
-        need = moe_vmem_bytes(tm, chunk, h, i, b, 0, jnp.dtype(w_dtype or in_dtype).itemsize, ti) + combine_vmem_bytes(
-            tokens, h, chunk) + gather_vmem_bytes(tokens, h, tm, chunk, b, i_tiled=ti < i)
-        if need <= COMBINE_VMEM * spec.vmem_bytes:
-            return tm, chunk, ti
-        if ti == i or tm // 2 < max(chunk, 256):
-            return None
-        tm //= 2
+    need = moe_vmem_bytes(tm, chunk, h, i, b, 0, jnp.dtype(w_dtype or in_dtype).itemsize, ti) + combine_vmem_bytes(
+        tokens, h, chunk) + gather_vmem_bytes(tokens, h, tm, chunk, b, i_tiled=ti < i)
+    return tiling if need <= COMBINE_VMEM * spec.vmem_bytes else None
 
 
 def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="silu", interleaved=False,
