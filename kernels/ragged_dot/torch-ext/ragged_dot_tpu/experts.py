@@ -215,13 +215,10 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
     elif fused:
         tm, chunk, ti = tiling
         # where it pays the kernel also unsorts, weights and sums each token's rows (``fused_moe_combines``),
-        # and gathers the rows' x from the tokens' rows in VMEM (``fused_moe_gather_tiling``)
+        # and gathers the rows' x from the tokens' rows in VMEM (``fused_moe_gathers``)
         sizes = dict(in_dtype=wdt, out_dtype=wdt, w_dtype=gate_up_proj.dtype)
         combine = pallas.fused_moe_combines(t, h, inter_size, tiling, rows=t * k, groups=e, **sizes)
-        gathering = pallas.fused_moe_gather_tiling(t, h, inter_size, tiling, **sizes) if combine else None
-        gather = gathering is not None
-        if gather:
-            tm, chunk, ti = gathering
+        gather = combine and pallas.fused_moe_gathers(t, h, inter_size, tiling, **sizes)
         y = pallas.fused_moe(hidden_states.astype(wdt) if gather else x, gate_up_proj, down, None,
                              row_groups=row_groups, transposed=transposed, activation=activation,
                              interleaved=interleaved, alpha=alpha, limit=limit, gate_up_bias=gate_up_bias,

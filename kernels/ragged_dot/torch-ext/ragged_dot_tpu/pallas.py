@@ -1369,10 +1369,9 @@ def gather_vmem_bytes(tokens: int, h: int, tm: int, chunk: int, in_bytes: int, i
             - 2 * tm * h * in_bytes + (16 * h * 4 if i_tiled else 0))
 
 
-def fused_moe_gather_tiling(tokens: int, h: int, i: int, tiling, *, in_dtype, out_dtype, w_dtype=None,
-                            chip=None):
-    """``tiling`` where a combining fused MLP (``fused_moe_combines``) should also gather its rows' x from the
-    tokens' rows held in VMEM (``fused_moe(gather=True)``), else None: where they fit too. A row copy costs
+def fused_moe_gathers(tokens: int, h: int, i: int, tiling, *, in_dtype, out_dtype, w_dtype=None, chip=None) -> bool:
+    """Whether a combining fused MLP (``fused_moe_combines``) should also gather its rows' x from the tokens'
+    rows held in VMEM (``fused_moe(gather=True)``): where they fit too. A row copy costs
     the core less than a combine's add, and saves the gathered [T * k, H] rows' trip through HBM and back
     (the XLA gather's write, the kernel's read); and as the rows need no tiles in HBM, the items are windows
     of a group's rows, so no expert is split at a tile edge. The cost model: Qwen3-30B-A3B at 2048 tokens,
@@ -1384,7 +1383,7 @@ def fused_moe_gather_tiling(tokens: int, h: int, i: int, tiling, *, in_dtype, ou
     b = jnp.dtype(in_dtype).itemsize
     need = moe_vmem_bytes(tm, chunk, h, i, b, 0, jnp.dtype(w_dtype or in_dtype).itemsize, ti) + combine_vmem_bytes(
         tokens, h, chunk) + gather_vmem_bytes(tokens, h, tm, chunk, b, i_tiled=ti < i)
-    return tiling if need <= COMBINE_VMEM * spec.vmem_bytes else None
+    return need <= COMBINE_VMEM * spec.vmem_bytes
 
 
 def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="silu", interleaved=False,
@@ -1409,7 +1408,7 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     (``fused_moe_combines``): returns f32 [round_up(T + 1, 8), H] whose row t < T sums row_weight[r] * result
     row r (rounded to out_dtype, multiplied in its promotion with row_weight's dtype) over the rows r of a
     group with row_token[r] = t; the rows past T are scratch. ``gather`` (with combine;
-    ``fused_moe_gather_tiling``): x is the tokens' rows [T, H], row r's x is x[row_token[r]], copied in the
+    ``fused_moe_gathers``): x is the tokens' rows [T, H], row r's x is x[row_token[r]], copied in the
     kernel; the items are then windows of up to tm rows of a group (``run_metadata(windows=...)``).
     """
     down_transposed = transposed if down_transposed is None else down_transposed
