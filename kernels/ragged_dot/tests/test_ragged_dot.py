@@ -620,7 +620,8 @@ def test_fused_moe_combines_where_a_row_costs_less_than_its_hbm_trips(load_kerne
 def test_fused_moe_tiles_the_intermediate_where_the_layer_waits_on_weights(load_kernel):
     """GPT-OSS-20B (H = I = 2880 bf16, 32 experts, top-4, [E, H, 2I] interleaved): too big for VMEM whole
     on every chip, so tiles of the intermediate that fit 512-row tiles or longer, widest first, while the
-    layer is bound by its weights' DMA (``TILED_MOE_RIDGE``); two gmm calls (None) once it is compute-bound.
+    layer is bound by its weights' DMA (``TILED_MOE_RIDGE``); once it is compute-bound, only tiles that fill
+    the MXU's width (``TILED_MXU_FILL``: 960 of 1024 on v5e and v6e; TPU7x fits none, two gmm calls: None).
     Quantized weights never tile."""
     P = load_kernel("ragged_dot").pallas
 
@@ -632,8 +633,10 @@ def test_fused_moe_tiles_the_intermediate_where_the_layer_waits_on_weights(load_
         2880, 960, 576, 320, 192, 64]  # 2ti lanes a multiple of 128
     assert (tiling(256, "v5e"), tiling(256, "v6e"), tiling(256, "tpu7x")) == (
         (512, 64, 960), (512, 64, 960), (512, 64, 576))
-    assert (tiling(2048, "v5e"), tiling(2048, "v6e"), tiling(2048, "tpu7x")) == (None, (1024, 256, 960), None)
-    assert tiling(8192, "v6e") is None
+    assert (tiling(2048, "v5e"), tiling(2048, "v6e"), tiling(2048, "tpu7x")) == (
+        (1024, 128, 960), (1024, 256, 960), None)
+    assert (tiling(8192, "v5e"), tiling(8192, "v6e"), tiling(8192, "tpu7x")) == (
+        (1024, 128, 960), (1024, 256, 960), None)
     assert tiling(64, "v6e", w_dtype=jnp.int8) is None
     # Qwen3-30B-A3B's experts fit whole everywhere: unchanged by the rule
     assert P.fused_moe_tiling(8192, 2048, 768, in_dtype=jnp.bfloat16, out_dtype=jnp.bfloat16, chip="tpu7x",

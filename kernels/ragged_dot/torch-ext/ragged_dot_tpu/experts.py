@@ -228,7 +228,7 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
                              gather=gather)
         if combine:  # no [T * k, H] result left the kernel
             return y[:t].astype(hidden_states.dtype)
-    else:  # experts too big for VMEM whole in a compute-bound layer (TILED_MOE_RIDGE), MXFP4: two grouped matmuls
+    else:  # experts too big for VMEM whole in a compute-bound layer (TILED_MOE_RIDGE, TILED_MXU_FILL), MXFP4: two gmm calls
         inter = pallas.gmm(x, gate_up_proj, None, row_groups=row_groups, transposed=transposed, activation=activation,
                            interleaved=interleaved, alpha=alpha, limit=limit, bias=gate_up_bias, out_dtype=wdt,
                            rhs_scale=gate_up_scale)

@@ -1267,9 +1267,14 @@ def moe_intermediate_tiles(i: int, *, transposed: bool, down_transposed: bool, i
 # / 474.7 (576), but 2048 1079.9 -> 1387.7 (320 units in 512-row tiles; 1176.0 in 576 x 256) and 8192
 # 2928.4 -> 3724.1; v5e 256 2113.2 -> 2034.4, 2048 3652.0 -> 3765.9, 8192 13291.0 -> 13007.2; v6e 8192
 # 4318.9 -> 4086.1. So tiles where the MXU work per weight byte is under this fraction of the chip's flops
-# per HBM byte (the layer waits on its weights); compute-bound layers keep two gmm calls (forgoing v6e's
-# and v5e's 5% and 2% at 8192 tokens).
+# per HBM byte (the layer waits on its weights). Compute-bound layers tile only where the tiles fill the
+# MXU's width to TILED_MXU_FILL (ti over ti rounded up to the MXU's width), the dots then as full as whole
+# slabs' and the intermediate's HBM trip saved: 960-unit tiles (0.94 of 1024), measured at 2edc97a (layer
+# us, two gmm calls -> tiled fused) on v5e 2048 / 8192 tokens 3652.0 / 13291.0 -> 3572.9 (it gathers, in
+# windows) / 12697.1, on v6e 8192 4318.9 -> 4136.0; TPU7x's VMEM takes only 320 or 576 (0.63 / 0.75 of 512 /
+# 768): 2048 1079.9 -> 1460.3, 8192 2928.4 -> 3926.5 (the MXU work of its dots on the padded width).
 TILED_MOE_RIDGE = 0.5
+TILED_MXU_FILL = 0.9
 
 
 def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True, interleaved=False,
@@ -1296,8 +1301,11 @@ def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True
     wb = jnp.dtype(w_dtype or in_dtype).itemsize
     widths = moe_intermediate_tiles(i, transposed=transposed, down_transposed=down_transposed,
                                     interleaved=interleaved, sub=max(sub, 16))
-    if quantized or 2 * avg / wb > TILED_MOE_RIDGE * spec.peak_flops / spec.hbm_bandwidth:
-        widths = [i]  # whole slabs only: the layer is compute-bound (``TILED_MOE_RIDGE``)
+    if quantized:
+        widths = [i]
+    elif 2 * avg / wb > TILED_MOE_RIDGE * spec.peak_flops / spec.hbm_bandwidth:
+        # a compute-bound layer (``TILED_MOE_RIDGE``): only tiles whose dots fill the MXU's width
+        widths = [w for w in widths if w == i or w / _round_up(w, spec.mxu_dim) >= TILED_MXU_FILL]
     tm0 = min(1024 if m > LONG_TILE_ROWS else 512, _round_up(max(m, 1), sub))
     # whole slabs with row tiles halved as needed; else the widest intermediate tiles that fit row tiles of
     # 512 or more (shorter ones split more groups between tiles, each split refetching the expert's weights)
