@@ -539,26 +539,33 @@ def _combined_reference(x, ids, w, expert, num_experts):
     return out
 
 
-@pytest.mark.parametrize("mode,layout,dtype,i,ti,tm,chunk,gather", [
+@pytest.mark.parametrize("mode,layout,dtype,i,ti,tm,chunk,gather,t", [
     # a token's rows from several groups, groups crossing the 32-row tile and the 16-row chunks, empty
-    # groups, sentinel ids, an expert listed twice for one token (adjacent rows of a group)
-    ("fast", "halves", "float32", 128, 128, 32, 16, False),
-    ("fast", "halves", "float32", 128, 128, 32, 16, True),
-    ("fast", "halves", "bfloat16", 128, 128, 32, 16, True),  # rows rounded to bf16, weighted in f32
-    ("fast", "halves", "float32", 256, 128, 64, 32, False),  # intermediate tiles: added at the last one
-    ("fast", "interleaved", "float32", 192, 64, 64, 32, True),  # GPT-OSS: interleaved, biases, 3 tiles
-    ("fast", "interleaved", "float32", 192, 64, 128, 32, False),  # one row tile, chunks pulled back in it
-    ("fast", "interleaved", "float32", 192, 64, 16, 8, True),  # groups split into 16-row windows, 3 tiles
-    ("fast", "halves", "bfloat16", 128, 128, 16, 16, True),  # whole slabs, 16-row windows
-    ("fast", "halves", "float32", 128, 128, 128, 16, True),  # all rows in one tile: no windows
-    pytest.param("strict", "halves", "bfloat16", 128, 128, 32, 16, True, marks=pytest.mark.strict_interpret),
-    pytest.param("strict", "interleaved", "float32", 192, 64, 32, 16, False, marks=pytest.mark.strict_interpret)])
-def test_fused_moe_combines_rows_into_their_tokens(load_kernel, mode, layout, dtype, i, ti, tm, chunk, gather):
+    # groups, sentinel ids, an expert listed twice for one token (adjacent rows of a group); 111 rows, in no
+    # whole native tiles: row tiles, unless gathered
+    ("fast", "halves", "float32", 128, 128, 32, 16, False, 37),
+    ("fast", "halves", "float32", 128, 128, 32, 16, True, 37),
+    ("fast", "halves", "bfloat16", 128, 128, 32, 16, True, 37),  # rows rounded to bf16, weighted in f32
+    ("fast", "halves", "float32", 256, 128, 64, 32, False, 37),  # intermediate tiles: added at the last one
+    ("fast", "interleaved", "float32", 192, 64, 64, 32, True, 37),  # GPT-OSS: interleaved, biases, 3 tiles
+    ("fast", "interleaved", "float32", 192, 64, 128, 32, False, 37),  # one row tile, chunks pulled back in it
+    ("fast", "interleaved", "float32", 192, 64, 16, 8, True, 37),  # groups split into 16-row windows, 3 tiles
+    ("fast", "halves", "bfloat16", 128, 128, 16, 16, True, 37),  # whole slabs, 16-row windows
+    ("fast", "halves", "float32", 128, 128, 128, 16, True, 37),  # all rows in one tile: no windows
+    # 144 rows: windows of x's rows from a native tile, groups longer than a window, the last ones moved
+    # back inside x
+    ("fast", "halves", "float32", 128, 128, 32, 16, False, 48),
+    ("fast", "halves", "bfloat16", 128, 128, 32, 16, False, 48),
+    ("fast", "interleaved", "float32", 192, 64, 32, 16, False, 48),  # 3 tiles, reversed at odd windows
+    pytest.param("strict", "halves", "bfloat16", 128, 128, 32, 16, True, 37, marks=pytest.mark.strict_interpret),
+    pytest.param("strict", "interleaved", "float32", 192, 64, 32, 16, False, 37, marks=pytest.mark.strict_interpret),
+    pytest.param("strict", "halves", "bfloat16", 128, 128, 32, 16, False, 48, marks=pytest.mark.strict_interpret)])
+def test_fused_moe_combines_rows_into_their_tokens(load_kernel, mode, layout, dtype, i, ti, tm, chunk, gather, t):
     """With ``combine`` the fused MLP returns each token's weighted sum of its experts' rows (the MoE
     layer's unsort and top-k sum), with ``gather`` from the tokens' rows themselves: against an f32
     reference per token, from the routing sort's rows."""
     P = load_kernel("ragged_dot").pallas
-    t, k, e, h = 37, 3, 6, 128
+    k, e, h = 3, 6, 128
     ks = jax.random.split(jax.random.key(6), 6)
     x = jax.random.normal(ks[0], (t, h)).astype(dtype)
     ids = np.array(jax.random.randint(ks[1], (t, k), 0, e))
@@ -583,10 +590,14 @@ def test_fused_moe_combines_rows_into_their_tokens(load_kernel, mode, layout, dt
 
         def expert(g, xs):
             return _gpt_oss_reference(xs, gu[g:g + 1], gu_b[g:g + 1], dn[g:g + 1], dn_b[g:g + 1], [xs.shape[0]])
+    sub = 16 if dtype == "bfloat16" else 8
+    if not gather and t * k % sub == 0:  # the case holds windows that would pass x's end (moved back)
+        _, grp, first, *_ = P.run_metadata(keys, tm, e, windows=sub)
+        assert int(jnp.max(jnp.where(grp < e, first, 0))) > t * k - tm - sub
     with interpret(mode):
         out = P.fused_moe(x if gather else x[tokens], gu, dn, None, row_groups=keys, tm=tm, chunk=chunk, ti=ti,
                           combine=(tokens, w.reshape(-1)[order], t), gather=gather, **kw)
-    assert out.shape == (40, h) and out.dtype == jnp.float32  # T + a trash row, in whole sublane tiles
+    assert out.shape == (-(-(t + 1) // 8) * 8, h) and out.dtype == jnp.float32  # T + a trash row, whole sublane tiles
     ref = _combined_reference(x, ids, w, expert, e)
     if dtype == "bfloat16":  # each row rounded to bf16 as the kernel's output would be, then weighted
         ref = _combined_reference(x, ids, w, lambda g, xs: expert(g, xs).astype(jnp.bfloat16).astype(jnp.float32), e)
@@ -615,6 +626,38 @@ def test_fused_moe_combines_where_a_row_costs_less_than_its_hbm_trips(load_kerne
     # GPT-OSS-20B's intermediate tiles: at 256 tokens; not at 2048, where its 1024-row accumulator fills VMEM
     gpt_oss = dict(h=2880, i=2880, k=4, e=32, transposed=False, interleaved=True, down_transposed=False)
     assert gathers(256, "v6e", **gpt_oss) and not gathers(2048, "v6e", **gpt_oss)
+
+
+def test_fused_moe_windows_fit_a_group_where_it_combines(load_kernel):
+    """A combining fused MLP takes windows of a group's rows: chunks fitted to groups of more than
+    FITTED_CHUNK_ROWS rows (1 / n of the average and two native tiles, up to WINDOW_CHUNK_ROWS), windows of
+    WINDOW_SLACK an average group where x's window is fetched or the chunk was fitted, all where VMEM holds
+    them (else the tiling's)."""
+    P = load_kernel("ragged_dot").pallas
+    bf16 = jnp.bfloat16
+
+    def windows(tokens, chip, h, i, k, e, gather=False, w_dtype=None, **kw):
+        tiling = P.fused_moe_tiling(tokens * k, h, i, in_dtype=bf16, out_dtype=bf16, chip=chip, groups=e,
+                                    w_dtype=w_dtype, **kw)
+        return tiling[:2], P.fused_moe_windows(tokens * k, h, i, tiling, groups=e, tokens=tokens, in_dtype=bf16,
+                                               w_dtype=w_dtype, gather=gather, chip=chip)
+    gpt_oss = dict(h=2880, i=2880, k=4, e=32, transposed=False, interleaved=True, down_transposed=False)
+    qwen3 = dict(h=2048, i=768, k=8, e=128)
+    # GPT-OSS-20B at 2048 tokens (256 rows an expert): one 288-row chunk a group, 320-row windows
+    assert windows(2048, "v6e", **gpt_oss) == ((1024, 256), (320, 288))
+    assert windows(2048, "v5e", gather=True, **gpt_oss) == ((1024, 128), (320, 288))
+    # Qwen3-30B-A3B at 8192 tokens (512 rows an expert): two 288-row chunks, 640-row windows
+    assert windows(8192, "v6e", **qwen3) == ((1024, 256), (640, 288))
+    assert windows(8192, "v5e", **qwen3) == ((1024, 128), (640, 288))
+    # at 2048 tokens (128 rows an expert) the tiling's chunk is fitted already: gathered rows keep its
+    # window, x's windows are an average group's 1.25
+    assert windows(2048, "v6e", gather=True, **qwen3) == ((1024, 160), (1024, 160))
+    assert windows(2048, "v6e", **qwen3) == ((1024, 160), (160, 160))
+    # the tokens' f32 rows of a gather at 8192 tokens do not fit beside the sums: the tiling's
+    assert windows(8192, "v6e", gather=True, **qwen3) == ((1024, 256), (1024, 256))
+    # quantized weights keep their chunk (its dequantized temporaries); the window still shrinks
+    fp8 = windows(8192, "v6e", w_dtype=jnp.float8_e4m3fn, **qwen3)
+    assert fp8[1] == (640, fp8[0][1])
 
 
 def test_fused_moe_tiles_the_intermediate_where_the_layer_waits_on_weights(load_kernel):

@@ -219,6 +219,9 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
         sizes = dict(in_dtype=wdt, out_dtype=wdt, w_dtype=gate_up_proj.dtype)
         combine = pallas.fused_moe_combines(t, h, inter_size, tiling, rows=t * k, groups=e, **sizes)
         gather = combine and pallas.fused_moe_gathers(t, h, inter_size, tiling, **sizes)
+        if combine:  # its items are windows of a group's rows
+            tm, chunk = pallas.fused_moe_windows(t * k, h, inter_size, tiling, groups=e, tokens=t, gather=gather,
+                                                 in_dtype=wdt, w_dtype=gate_up_proj.dtype)
         y = pallas.fused_moe(hidden_states.astype(wdt) if gather else x, gate_up_proj, down, None,
                              row_groups=row_groups, transposed=transposed, activation=activation,
                              interleaved=interleaved, alpha=alpha, limit=limit, gate_up_bias=gate_up_bias,

@@ -273,8 +273,9 @@ def run_metadata(row_groups: jax.Array, tm: int, num_groups: int, windows: int |
     ``fetch_*`` are the block indices of the latest item with data, so items of no group move nothing.
     Other values count as no group: no index can leave the arrays, whatever the values.
 
-    ``windows`` (a native row tile; for a kernel whose rows are not blocks in HBM): an item is instead a
-    window of up to tm rows of one group from the group's first row, so no group splits at a tile edge;
+    ``windows`` (a native row tile; for a kernel that reads its rows at any native tile, not in tm-row
+    blocks): an item is instead a window of up to tm rows of one group from the group's first row, so no
+    group splits at a tile edge;
     ``item_tile`` is the item's first row rounded down to a multiple of ``windows`` and ``fetch_tile``
     the index of the latest item with data.
     """
@@ -1020,7 +1021,7 @@ def reference(lhs, rhs, group_sizes, rhs_transposed=False, out_dtype=None):
 
 def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, tm, chunk, num_groups,
                 transposed, down_transposed, activation, interleaved, alpha, limit, has_bias, quant, i_tiles,
-                combine, gather, windows):
+                combine, gather, windows, last_window):
     del fetch_tile
     if combine is not None:  # each row's token (scalar-prefetched) and routing weight: the tile's rows' block,
         # or (windows) all rows' as f32 bits, scalar-prefetched too; a chunk of weighted rows
@@ -1042,9 +1043,10 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
     i, j = pl.program_id(0), pl.program_id(1)
     grp, tile = item_group[i], item_tile[i]
     # the item's rows lie in [row0, row0 + span): a tile, or a window of run_metadata(windows=sub) from a
-    # native tile's first row
+    # native tile's first row (x's block there; one that would pass x's last row starts at ``last_window``
+    # instead, the window's rows still inside it)
     sub = _sublanes(x_ref.dtype)
-    row0, span = (tile, tm + sub) if windows else (tile * tm, tm)
+    row0, span = (tile if last_window is None else jnp.minimum(tile, last_window), tm + sub) if windows else (tile * tm, tm)
     col_scales, d_scale = [None, None], None
     # each slab's value as the MXU takes it: read from VMEM, or (quantized) dequantized to x's dtype
     weights, down = [lambda w=w: w[...] for w in w_refs], lambda: d_ref[...]  # noqa: E731
@@ -1105,22 +1107,23 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
                     return carry
                 lax.fori_loop(0, x_ref.shape[0] // sub, widen, 0)
 
-        def gather_rows(r0, start, end):
-            """x of the chunk's rows of this group, gathered from the tokens' rows (others: stale)."""
+        def fetch_rows(r0, start, end):
+            """For the chunk's rows of this group (others: stale), x gathered from the tokens' rows
+            (``gather``) and the routing weights from their scalars (``windows``)."""
             base = row0 + r0
             lo, hi = jnp.clip(start - base, 0, chunk), jnp.clip(end - base, 0, chunk)
 
             def copy(n, carry):
                 for u in range(ADD_ROWS):
                     r = lo + n * ADD_ROWS + u
-                    t = jnp.where(r < hi, row_token[base + r], 0)
-                    xbuf[pl.ds(r, 1), :] = xs[pl.ds(t, 1), :]
+                    if gather:
+                        t = jnp.where(r < hi, row_token[base + r], 0)
+                        xbuf[pl.ds(r, 1), :] = xs[pl.ds(t, 1), :]
                     if windows:
                         w = lax.bitcast_convert_type(row_weight[base + r], jnp.float32)
                         wbuf[pl.ds(r, 1), :] = jnp.full((1, wbuf.shape[1]), w, jnp.float32)
                 return carry
             lax.fori_loop(0, lax.div(hi - lo + ADD_ROWS - 1, ADD_ROWS), copy, 0)
-            return xbuf[pl.ds(0, chunk), :].astype(x_ref.dtype)
 
         def add_rows(y, r0, new, start, end):
             """Each of the chunk's rows of this group (once), weighted, into its token's sum: the unsort
@@ -1168,7 +1171,9 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
 
         def chunk_rows(r0, new=0):  # MXU work only for chunks holding rows of this group
             rows = pl.ds(r0, chunk)
-            x = gather_rows(r0, start, end) if gather else x_ref[rows, :]
+            if gather or windows:
+                fetch_rows(r0, start, end)
+            x = xbuf[pl.ds(0, chunk), :].astype(x_ref.dtype) if gather else x_ref[rows, :]
             ys = [lax.dot_general(x, w(), dims, preferred_element_type=jnp.float32) for w in weights]
             ys = [y if cs is None else y * cs() for y, cs in zip(ys, col_scales)]
             if has_bias:
@@ -1394,6 +1399,41 @@ def fused_moe_gathers(tokens: int, h: int, i: int, tiling, *, in_dtype, out_dtyp
     return need <= COMBINE_VMEM * spec.vmem_bytes
 
 
+# Where the fused MLP combines, its items are windows of a group's rows (``run_metadata(windows=...)``):
+# gathered rows need no block in HBM, and x's rows otherwise come as a block from the window's first native
+# tile. No group is split at a row tile's edge then (nor an expert's intermediate tiles fetched again for
+# its second part), and as a group starts at its window's start, a chunk fitted to it holds its rows in as
+# few passes as they need: up to WINDOW_CHUNK_ROWS rows a chunk, a 1/n of an average group and two native
+# tiles (groups of more than FITTED_CHUNK_ROWS rows; ``fused_moe_tiling`` fits the shorter ones). Each
+# window's x block is fetched whole: windows of WINDOW_SLACK times an average group. Measured with the cost
+# model (layer us, row tiles -> windows, at 4f3f4c0): GPT-OSS-20B at 2048 tokens v5e 3572.9 -> 2987.5 (it
+# gathers; 128 -> 288-row chunks), v6e 1449.7 -> 1162.4 (each expert's weights fetched once: 1.90 -> 1.68
+# GB); Qwen3-30B-A3B at 8192 tokens v5e 5091.2 -> 4814.7, v6e 2019.8 -> 1832.5; every other row within 0.1%.
+WINDOW_SLACK = 1.25
+WINDOW_CHUNK_ROWS = 320
+
+
+def fused_moe_windows(m: int, h: int, i: int, tiling, *, groups: int, tokens: int, in_dtype, w_dtype=None,
+                      gather: bool = False, chip=None) -> tuple[int, int]:
+    """(tm, chunk) for a combining fused MLP (``fused_moe_combines``) at ``tiling``, its items windows of a
+    group's rows (``WINDOW_SLACK``, ``WINDOW_CHUNK_ROWS``; gathering rows of short groups, the tiling's
+    window), where they fit VMEM; else the tiling's."""
+    spec = _chip(chip)
+    tm, chunk, ti = tiling
+    sub = _sublanes(in_dtype)
+    avg = -(-m // groups)
+    fitted = (w_dtype is None or jnp.dtype(w_dtype) == jnp.dtype(in_dtype)) and avg > FITTED_CHUNK_ROWS
+    if fitted:
+        n = -(-avg // WINDOW_CHUNK_ROWS)
+        chunk = min(tm, _round_up(-(-avg // n) + 2 * sub, sub))
+    if fitted or not gather:  # x's window is fetched whole; a fitted chunk takes room a long window held
+        tm = max(chunk, min(tm, _round_up(int(WINDOW_SLACK * avg), sub)))
+    b, wb = jnp.dtype(in_dtype).itemsize, jnp.dtype(w_dtype or in_dtype).itemsize
+    need = moe_vmem_bytes(tm if gather else tm + sub, chunk, h, i, b, 0, wb, ti) + combine_vmem_bytes(
+        tokens, h, chunk) + (gather_vmem_bytes(tokens, h, tm, chunk, b, i_tiled=ti < i) if gather else 0)
+    return (tm, chunk) if need <= COMBINE_VMEM * spec.vmem_bytes else tiling[:2]
+
+
 def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="silu", interleaved=False,
               alpha=1.702, limit=7.0, gate_up_bias=None, down_bias=None, out_dtype=None, tm=None, chunk=None,
               chip=None, down_transposed=None, gate_up_scale=None, down_scale=None, in_dots=None, row_groups=None,
@@ -1415,9 +1455,10 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     ``combine`` = (row_token [m], row_weight [m], T): the MoE layer's combine in the kernel
     (``fused_moe_combines``): returns f32 [round_up(T + 1, 8), H] whose row t < T sums row_weight[r] * result
     row r (rounded to out_dtype, multiplied in its promotion with row_weight's dtype) over the rows r of a
-    group with row_token[r] = t; the rows past T are scratch. ``gather`` (with combine;
-    ``fused_moe_gathers``): x is the tokens' rows [T, H], row r's x is x[row_token[r]], copied in the
-    kernel; the items are then windows of up to tm rows of a group (``run_metadata(windows=...)``).
+    group with row_token[r] = t; the rows past T are scratch. The items are then windows of up to tm rows
+    of a group (``run_metadata(windows=...)``; ``fused_moe_windows`` sizes them), x's rows fetched from
+    each window's first native tile. ``gather`` (with combine; ``fused_moe_gathers``): x is the tokens'
+    rows [T, H], row r's x is x[row_token[r]], copied in the kernel.
     """
     down_transposed = transposed if down_transposed is None else down_transposed
     m, h = x.shape
@@ -1445,7 +1486,11 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
         raise ValueError(f"fused_moe: ti={ti} must divide the intermediate size {i} and fit the weights' "
                          "blocks (moe_intermediate_tiles)")
     nt = i // ti
-    windows = sub if gather and m > tm else None  # (one tile splits no group: a window at row 0 is the tile)
+    # combining, the items are windows of a group's rows (one tile splits no group: a window at row 0 is the
+    # tile): gathered, or x's rows as a block from the window's first native tile (an element offset, the
+    # block inside x: m rows in whole native tiles, a window's at least)
+    windows = sub if combine is not None and m > tm and (gather or (m % sub == 0 and m >= tm + sub)) else None
+    last_window = m - tm - sub if windows and not gather else None
     bounds, item_group, item_tile, fetch_group, fetch_tile, num_items = run_metadata(
         rows_of_groups(group_sizes, m) if row_groups is None else row_groups, tm, g, windows=windows)
 
@@ -1463,7 +1508,12 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
                for s in range(1 if interleaved else 2)]
     d_spec = pl.BlockSpec((None, h, ti) if down_transposed else (None, ti, h),
                           imap(lambda it, j, fg, ft: (fg[it], 0, j) if down_transposed else (fg[it], j, 0)))
-    in_specs = [pl.BlockSpec((tm, h), imap(lambda it, j, fg, ft: (ft[it], 0)))] + w_specs + [d_spec]
+    if last_window is None:
+        x_spec = pl.BlockSpec((tm, h), imap(lambda it, j, fg, ft: (ft[it], 0)))
+    else:  # the window of the latest item with data
+        x_spec = pl.BlockSpec((pl.Element(tm + sub), pl.Element(h)), lambda it, j, off, ig, itl, fg, ft, *_: (
+            pl.multiple_of(jnp.minimum(itl[ft[it]], last_window), sub), 0))
+    in_specs = [x_spec] + w_specs + [d_spec]
     operands = [x] + [gate_up] * len(w_specs) + [down]
     if gate_up_bias is not None:  # [g * 2I / bw, 1, bw]: each block a whole row
         per = 2 * i // bw
@@ -1513,8 +1563,8 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
         out_shape, out_spec = (rows, h), pl.BlockSpec((rows, h), lambda *_: (0, 0))  # one buffer, written once
         scratch += [pltpu.VMEM((chunk + ADD_ROWS, h), jnp.float32)]
         out_bytes = rows * h * 4
-        need = moe_vmem_bytes(tm, chunk, h, i, x.dtype.itemsize, 0, gate_up.dtype.itemsize, ti) + combine_vmem_bytes(
-            num_tokens, h, chunk)
+        need = moe_vmem_bytes(tm if last_window is None else tm + sub, chunk, h, i, x.dtype.itemsize, 0,
+                              gate_up.dtype.itemsize, ti) + combine_vmem_bytes(num_tokens, h, chunk)
         if gather:
             scratch += [pltpu.VMEM(x.shape, jnp.float32), pltpu.VMEM((chunk + ADD_ROWS, h), jnp.float32),
                         pltpu.VMEM((stage_rows, h), x.dtype), pltpu.SemaphoreType.DMA(())]
@@ -1526,7 +1576,7 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
                                down_transposed=down_transposed,
                                activation=activation, interleaved=interleaved, alpha=float(alpha),
                                limit=float(limit), has_bias=gate_up_bias is not None, quant=quant, i_tiles=nt,
-                               combine=comb, gather=gather, windows=bool(windows))
+                               combine=comb, gather=gather, windows=bool(windows), last_window=last_window)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
