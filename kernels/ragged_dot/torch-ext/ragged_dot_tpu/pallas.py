@@ -1023,9 +1023,10 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
                 transposed, down_transposed, activation, interleaved, alpha, limit, has_bias, quant, i_tiles,
                 combine, gather, windows, last_window):
     del fetch_tile
-    if combine is not None:  # each row's token (scalar-prefetched) and routing weight: the tile's rows' block,
-        # or (windows) all rows' as f32 bits, scalar-prefetched too; a chunk of weighted rows
-        if windows:
+    smem_weights = gather and windows
+    if combine is not None:  # each row's token (scalar-prefetched) and routing weight: the item's rows' block
+        # as x's, or (gathered windows) all rows' as f32 bits, scalar-prefetched too; a chunk of weighted rows
+        if smem_weights:
             row_token, row_weight, x_ref, refs = refs[0], refs[1], refs[2], refs[3:]
             refs, wbuf = refs[:-1], refs[-1]  # the chunk's rows' weights, each row's in every lane
         else:
@@ -1107,28 +1108,28 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
                     return carry
                 lax.fori_loop(0, x_ref.shape[0] // sub, widen, 0)
 
-        def fetch_rows(r0, start, end):
-            """For the chunk's rows of this group (others: stale), x gathered from the tokens' rows
-            (``gather``) and the routing weights from their scalars (``windows``)."""
+        def gather_rows(r0, start, end):
+            """x of the chunk's rows of this group, gathered from the tokens' rows, and (``smem_weights``)
+            their routing weights (others: stale)."""
             base = row0 + r0
             lo, hi = jnp.clip(start - base, 0, chunk), jnp.clip(end - base, 0, chunk)
 
             def copy(n, carry):
                 for u in range(ADD_ROWS):
                     r = lo + n * ADD_ROWS + u
-                    if gather:
-                        t = jnp.where(r < hi, row_token[base + r], 0)
-                        xbuf[pl.ds(r, 1), :] = xs[pl.ds(t, 1), :]
-                    if windows:
+                    t = jnp.where(r < hi, row_token[base + r], 0)
+                    xbuf[pl.ds(r, 1), :] = xs[pl.ds(t, 1), :]
+                    if smem_weights:
                         w = lax.bitcast_convert_type(row_weight[base + r], jnp.float32)
                         wbuf[pl.ds(r, 1), :] = jnp.full((1, wbuf.shape[1]), w, jnp.float32)
                 return carry
             lax.fori_loop(0, lax.div(hi - lo + ADD_ROWS - 1, ADD_ROWS), copy, 0)
+            return xbuf[pl.ds(0, chunk), :].astype(x_ref.dtype)
 
         def add_rows(y, r0, new, start, end):
             """Each of the chunk's rows of this group (once), weighted, into its token's sum: the unsort
             and the top-k sum of the layer, in VMEM (rounded and weighted as the result rows would be)."""
-            w = (wbuf[pl.ds(0, chunk), pl.ds(0, 1)] if windows else row_weight[pl.ds(r0, chunk), :]).astype(prod_dtype)
+            w = (wbuf[pl.ds(0, chunk), pl.ds(0, 1)] if smem_weights else row_weight[pl.ds(r0, chunk), :]).astype(prod_dtype)
             ybuf[pl.ds(0, chunk), :] = (y.astype(y_dtype).astype(prod_dtype) * w).astype(jnp.float32)
             base = row0 + r0
             lo, hi = jnp.clip(jnp.maximum(start - base, new), 0, chunk), jnp.clip(end - base, 0, chunk)
@@ -1171,9 +1172,7 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
 
         def chunk_rows(r0, new=0):  # MXU work only for chunks holding rows of this group
             rows = pl.ds(r0, chunk)
-            if gather or windows:
-                fetch_rows(r0, start, end)
-            x = xbuf[pl.ds(0, chunk), :].astype(x_ref.dtype) if gather else x_ref[rows, :]
+            x = gather_rows(r0, start, end) if gather else x_ref[rows, :]
             ys = [lax.dot_general(x, w(), dims, preferred_element_type=jnp.float32) for w in weights]
             ys = [y if cs is None else y * cs() for y, cs in zip(ys, col_scales)]
             if has_bias:
@@ -1407,8 +1406,8 @@ def fused_moe_gathers(tokens: int, h: int, i: int, tiling, *, in_dtype, out_dtyp
 # tiles (groups of more than FITTED_CHUNK_ROWS rows; ``fused_moe_tiling`` fits the shorter ones). Each
 # window's x block is fetched whole: windows of WINDOW_SLACK times an average group. Measured with the cost
 # model (layer us, row tiles -> windows, at 4f3f4c0): GPT-OSS-20B at 2048 tokens v5e 3572.9 -> 2987.5 (it
-# gathers; 128 -> 288-row chunks), v6e 1449.7 -> 1162.4 (each expert's weights fetched once: 1.90 -> 1.68
-# GB); Qwen3-30B-A3B at 8192 tokens v5e 5091.2 -> 4814.7, v6e 2019.8 -> 1832.5; every other row within 0.1%.
+# gathers; 128 -> 288-row chunks), v6e 1449.7 -> 1149.4 (each expert's weights fetched once: 1.90 -> 1.68
+# GB); Qwen3-30B-A3B at 8192 tokens v5e 5091.2 -> 4599.9, v6e 2019.8 -> 1764.0; every other row unchanged.
 WINDOW_SLACK = 1.25
 WINDOW_CHUNK_ROWS = 320
 
@@ -1508,12 +1507,12 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
                for s in range(1 if interleaved else 2)]
     d_spec = pl.BlockSpec((None, h, ti) if down_transposed else (None, ti, h),
                           imap(lambda it, j, fg, ft: (fg[it], 0, j) if down_transposed else (fg[it], j, 0)))
-    if last_window is None:
-        x_spec = pl.BlockSpec((tm, h), imap(lambda it, j, fg, ft: (ft[it], 0)))
-    else:  # the window of the latest item with data
-        x_spec = pl.BlockSpec((pl.Element(tm + sub), pl.Element(h)), lambda it, j, off, ig, itl, fg, ft, *_: (
+    def rows_spec(width):  # the rows of a tile, or of the window of the latest item with data (x's windows)
+        if last_window is None:
+            return pl.BlockSpec((tm, width), imap(lambda it, j, fg, ft: (ft[it], 0)))
+        return pl.BlockSpec((pl.Element(tm + sub), pl.Element(width)), lambda it, j, off, ig, itl, fg, ft, *_: (
             pl.multiple_of(jnp.minimum(itl[ft[it]], last_window), sub), 0))
-    in_specs = [x_spec] + w_specs + [d_spec]
+    in_specs = [rows_spec(h)] + w_specs + [d_spec]
     operands = [x] + [gate_up] * len(w_specs) + [down]
     if gate_up_bias is not None:  # [g * 2I / bw, 1, bw]: each block a whole row
         per = 2 * i // bw
@@ -1550,11 +1549,12 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
         pad = (0, (m + tm + sub if windows else -(-m // tm) * tm) + ADD_ROWS - m)  # rows a chunk may read past m
         prefetch.append(jnp.pad(row_token.astype(jnp.int32), pad))
         comb = (out_dtype, jnp.promote_types(out_dtype, row_weight.dtype))
-        if windows:  # the weights as f32 bits beside the tokens (a window's rows are no block)
+        if gather and windows:  # the weights as f32 bits beside the tokens: each row's read as it is gathered
+            # (a block of a window's weights, a lane of each (8, 128) tile, would move 128x their bytes)
             prefetch.append(jnp.pad(lax.bitcast_convert_type(row_weight.astype(jnp.float32), jnp.int32), pad))
-        else:
-            in_specs.insert(1, pl.BlockSpec((tm, 1), imap(lambda it, j, fg, ft: (ft[it], 0))))
-            operands.insert(1, row_weight.reshape(m, 1))
+        else:  # the weights' block beside x's (x's windows: f32, whose sublane tile any native tile of x spans)
+            in_specs.insert(1, rows_spec(1))
+            operands.insert(1, (row_weight if last_window is None else row_weight.astype(jnp.float32)).reshape(m, 1))
         if gather:  # the tokens' rows, in HBM, in whole staging blocks
             operands[0] = x = jnp.pad(x, ((0, -x.shape[0] % stage_rows), (0, 0)))
             in_specs[0] = pl.BlockSpec(memory_space=pl.ANY)
@@ -1569,7 +1569,7 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
             scratch += [pltpu.VMEM(x.shape, jnp.float32), pltpu.VMEM((chunk + ADD_ROWS, h), jnp.float32),
                         pltpu.VMEM((stage_rows, h), x.dtype), pltpu.SemaphoreType.DMA(())]
             need += gather_vmem_bytes(num_tokens, h, tm, chunk, x.dtype.itemsize, i_tiled=nt > 1)
-        if windows:
+        if gather and windows:
             scratch += [pltpu.VMEM((chunk + ADD_ROWS, 128), jnp.float32)]
     need += 2 * 4 * (gate_up_scale.size + down_scale.size) if quant and quant.channel else 0
     kernel = functools.partial(_moe_kernel, tm=tm, chunk=chunk, num_groups=g, transposed=transposed,
