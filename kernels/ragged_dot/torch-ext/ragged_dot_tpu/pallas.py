@@ -1329,40 +1329,28 @@ def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True
 
 # The MoE layer's combine (each result row, weighted, into its token's f32 sum) inside the fused MLP: the
 # tokens' sums stay in VMEM for the whole call, and the rows are added ADD_ROWS at a time, all read before
-# any is written. Compiled, one iteration issues about COMBINE_CYCLES bundles per 128 lanes of a row
-# (v6e, Qwen3-30B-A3B: 54 bundles for 4 rows of 2048). Outside the kernel the same rows cross HBM four
-# times (the kernel writes them, the unsort gather reads and writes them, the top-k sum reads them).
-# So the kernel combines where the core adds a row faster than HBM moves it four times (v5e, v6e;
-# not TPU7x, whose HBM is fastest for its clock) and the sums fit VMEM beside the tiles (COMBINE_VMEM:
-# Qwen3 at 8192 tokens, 0.79 of v6e's VMEM, compiles; Gemma-4 26B-A4B at 8192 does not). Measured with
-# the cost model (layer us, glue combine -> in the kernel; the bench at b744681): Qwen3 2048 tokens v5e
-# 1965 -> 1796, v6e 1040 -> 888 (TPU7x, forced: 531 -> 565); 8192 tokens v5e 6358 -> 5092, v6e 2049 -> 2020;
-# Gemma-4 2048 tokens v5e 2675 -> 2292, v6e 1321 -> 1113 (TPU7x, forced: 730 -> 767); GPT-OSS-20B 2048
-# tokens v6e 1482 -> 1450. TPU7x's adds cost more than the trips they save, unless the weights' DMA hides
-# them: where the layer's MXU work per weight byte is under HIDDEN_COMBINE_RIDGE of the chip's flops per
-# HBM byte (forced on TPU7x, layer us: 256 tokens, 0.05 of it, Qwen3 370.0 -> 354.8, Gemma-4 467.5 -> 440.7,
-# GPT-OSS 474.7 -> 464.9; 64 tokens 0.5-1% faster; 2048 tokens, 0.41 of it, Qwen3 531 -> 565).
+# any is written (compiled, about 0.84 bundles per 128 lanes of a row: v6e, Qwen3-30B-A3B, 54 bundles for
+# 4 rows of 2048). Outside the kernel the same rows cross HBM four times (the kernel writes them, the unsort
+# gather reads and writes them, the top-k sum reads them). Measured with the cost model (layer us, glue
+# combine -> in the kernel; the bench at b744681): Qwen3 2048 tokens v5e 1965 -> 1796, v6e 1040 -> 888;
+# 8192 tokens v5e 6358 -> 5092, v6e 2049 -> 2020; Gemma-4 26B-A4B 2048 tokens v5e 2675 -> 2292, v6e 1321 ->
+# 1113; GPT-OSS-20B 2048 tokens v6e 1482 -> 1450; TPU7x, whose HBM is the fastest for its clock, where the
+# weights' DMA hides the adds: 256 tokens Qwen3 370.0 -> 354.8, Gemma-4 467.5 -> 440.7, GPT-OSS 474.7 ->
+# 464.9. At 2048 tokens on TPU7x the adds did not hide (Qwen3 531 -> 565) until the combining kernels took
+# windows of a group's rows (``fused_moe_windows``): 531.3 -> 503.2 at e3e03e1. So it combines wherever
+# the sums fit VMEM beside the tiles (COMBINE_VMEM: Qwen3 at 8192 tokens, 0.79 of v6e's VMEM, compiles;
+# Gemma-4 at 8192 does not).
 ADD_ROWS = 4
-COMBINE_CYCLES = 0.84
 COMBINE_VMEM = 0.8
-HIDDEN_COMBINE_RIDGE = 0.25
 GATHER_STAGE_ROWS = 128  # the tokens' rows reach their f32 copy in VMEM this many at a time
 
 
 def fused_moe_combines(tokens: int, h: int, i: int, tiling, *, in_dtype, out_dtype, w_dtype=None,
-                       chip=None, rows: int | None = None, groups: int | None = None) -> bool:
-    """Whether the fused MLP at ``tiling`` (``fused_moe_tiling``) should also combine the layer's ``rows``
-    (``tokens`` x top-k over ``groups`` experts) into its ``tokens`` outputs (``fused_moe(combine=...)``):
-    see COMBINE_CYCLES."""
+                       chip=None) -> bool:
+    """Whether the fused MLP at ``tiling`` (``fused_moe_tiling``) should also combine the layer's rows into
+    its ``tokens`` outputs (``fused_moe(combine=...)``): where the sums fit VMEM (see ADD_ROWS)."""
     spec = _chip(chip)
     tm, chunk, ti = tiling
-    out_bytes = jnp.dtype(out_dtype).itemsize
-    w_bytes = jnp.dtype(w_dtype or in_dtype).itemsize
-    cheaper = COMBINE_CYCLES / (128 * spec.clock_hz) < 4 * out_bytes / spec.hbm_bandwidth
-    hidden = bool(rows and groups) and (
-        2 * -(-rows // groups) / w_bytes < HIDDEN_COMBINE_RIDGE * spec.peak_flops / spec.hbm_bandwidth)
-    if not (cheaper or hidden):
-        return False
     need = moe_vmem_bytes(tm, chunk, h, i, jnp.dtype(in_dtype).itemsize, 0,  # no output tiles: the sums instead
                           jnp.dtype(w_dtype or in_dtype).itemsize, ti) + combine_vmem_bytes(tokens, h, chunk)
     return need <= COMBINE_VMEM * spec.vmem_bytes
