@@ -607,7 +607,7 @@ def test_fused_moe_combines_rows_into_their_tokens(load_kernel, mode, layout, dt
 def test_fused_moe_combines_where_the_sums_fit(load_kernel):
     """The combine runs in the kernel wherever the tokens' sums fit VMEM beside the tiles (Qwen3-30B-A3B's
     experts at 2048 tokens on every chip and at 8192 on v6e, not on TPU7x's smaller VMEM; Gemma-4
-    26B-A4B's at 8192 nowhere)."""
+    26B-A4B's at 2048 on TPU7x, at 8192 nowhere)."""
     P = load_kernel("ragged_dot").pallas
 
     def combines(tokens, chip, h=2048, i=768, k=8, dtype=jnp.bfloat16):
@@ -615,16 +615,20 @@ def test_fused_moe_combines_where_the_sums_fit(load_kernel):
         return P.fused_moe_combines(tokens, h, i, tiling, in_dtype=dtype, out_dtype=dtype, chip=chip)
     assert [combines(2048, c) for c in ("v5e", "v6e", "tpu7x")] == [True, True, True]
     assert combines(8192, "v6e") and not combines(8192, "tpu7x")
-    assert not combines(8192, "v6e", h=2816, i=704)
+    assert combines(2048, "tpu7x", h=2816, i=704) and not combines(8192, "v6e", h=2816, i=704)
     assert combines(64, "v6e") and combines(2048, None)  # off TPU: v6e's speeds, the smallest VMEM
 
     def gathers(tokens, chip, h=2048, i=768, k=8, dtype=jnp.bfloat16, e=128, **kw):  # where the tokens' rows fit too
         tiling = P.fused_moe_tiling(tokens * k, h, i, in_dtype=dtype, out_dtype=dtype, chip=chip, groups=e, **kw)
-        return P.fused_moe_gathers(tokens, h, i, tiling, in_dtype=dtype, out_dtype=dtype, chip=chip)
+        return P.fused_moe_gathers(tokens, h, i, tiling, rows=tokens * k, groups=e, in_dtype=dtype, out_dtype=dtype,
+                                   chip=chip)
     assert gathers(2048, "v6e") and gathers(2048, "v5e") and not gathers(8192, "v6e")
-    # GPT-OSS-20B's intermediate tiles: at 256 tokens; not at 2048, where its 1024-row accumulator fills VMEM
+    # GPT-OSS-20B's intermediate tiles copy the rows once per tile: gathered where the weights' DMA hides
+    # that (256 tokens, GATHER_TILES_RIDGE), not at 2048 tokens (the rows would fit v5e's and v6e's VMEM)
     gpt_oss = dict(h=2880, i=2880, k=4, e=32, transposed=False, interleaved=True, down_transposed=False)
-    assert gathers(256, "v6e", **gpt_oss) and not gathers(2048, "v6e", **gpt_oss)
+    assert gathers(256, "v6e", **gpt_oss) and gathers(256, "v5e", **gpt_oss)
+    assert not gathers(2048, "v6e", **gpt_oss) and not gathers(2048, "v5e", **gpt_oss)
+    assert P.waits_on_weights(2048 * 4, 32, jnp.bfloat16, "v6e") and not P.waits_on_weights(2048 * 4, 32, jnp.bfloat16, "v5e")
 
 
 def test_fused_moe_windows_fit_a_group_where_it_combines(load_kernel):
@@ -644,7 +648,7 @@ def test_fused_moe_windows_fit_a_group_where_it_combines(load_kernel):
     qwen3 = dict(h=2048, i=768, k=8, e=128)
     # GPT-OSS-20B at 2048 tokens (256 rows an expert): one 288-row chunk a group, 320-row windows
     assert windows(2048, "v6e", **gpt_oss) == ((1024, 256), (320, 288))
-    assert windows(2048, "v5e", gather=True, **gpt_oss) == ((1024, 128), (320, 288))
+    assert windows(2048, "v5e", **gpt_oss) == ((1024, 128), (320, 288))
     # Qwen3-30B-A3B at 8192 tokens (512 rows an expert): two 288-row chunks, 640-row windows
     assert windows(8192, "v6e", **qwen3) == ((1024, 256), (640, 288))
     assert windows(8192, "v5e", **qwen3) == ((1024, 128), (640, 288))

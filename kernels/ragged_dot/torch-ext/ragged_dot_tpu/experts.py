@@ -218,7 +218,7 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
         # and gathers the rows' x from the tokens' rows in VMEM (``fused_moe_gathers``)
         sizes = dict(in_dtype=wdt, out_dtype=wdt, w_dtype=gate_up_proj.dtype)
         combine = pallas.fused_moe_combines(t, h, inter_size, tiling, **sizes)
-        gather = combine and pallas.fused_moe_gathers(t, h, inter_size, tiling, **sizes)
+        gather = combine and pallas.fused_moe_gathers(t, h, inter_size, tiling, rows=t * k, groups=e, **sizes)
         if combine:  # its items are windows of a group's rows
             tm, chunk = pallas.fused_moe_windows(t * k, h, inter_size, tiling, groups=e, tokens=t, gather=gather,
                                                  in_dtype=wdt, w_dtype=gate_up_proj.dtype)

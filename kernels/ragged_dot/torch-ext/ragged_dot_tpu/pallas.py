@@ -1281,6 +1281,14 @@ TILED_MOE_RIDGE = 0.5
 TILED_MXU_FILL = 0.9
 
 
+def waits_on_weights(rows: int, groups: int | None, w_dtype, chip=None, ridge: float = TILED_MOE_RIDGE) -> bool:
+    """Whether a MoE layer of ``rows`` (tokens x top-k) over ``groups`` experts waits on its weights' DMA:
+    its MXU work per weight byte under ``ridge`` of the chip's flops per HBM byte."""
+    spec = _chip(chip)
+    avg = -(-rows // (groups or 1))
+    return 2 * avg / jnp.dtype(w_dtype).itemsize <= ridge * spec.peak_flops / spec.hbm_bandwidth
+
+
 def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True, interleaved=False,
                      w_dtype=None, groups=None, down_transposed=None):
     """(tm, chunk, ti) for the fused expert MLP, or None when it does not fit (then use two gmm calls):
@@ -1307,7 +1315,7 @@ def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True
                                     interleaved=interleaved, sub=max(sub, 16))
     if quantized:
         widths = [i]
-    elif 2 * avg / wb > TILED_MOE_RIDGE * spec.peak_flops / spec.hbm_bandwidth:
+    elif not waits_on_weights(m, groups, w_dtype or in_dtype, chip):
         # a compute-bound layer (``TILED_MOE_RIDGE``): only tiles whose dots fill the MXU's width
         widths = [w for w in widths if w == i or w / _round_up(w, spec.mxu_dim) >= TILED_MXU_FILL]
     tm0 = min(1024 if m > LONG_TILE_ROWS else 512, _round_up(max(m, 1), sub))
@@ -1339,10 +1347,12 @@ def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True
 # 464.9. At 2048 tokens on TPU7x the adds did not hide (Qwen3 531 -> 565) until the combining kernels took
 # windows of a group's rows (``fused_moe_windows``): 531.3 -> 503.2 at e3e03e1. So it combines wherever
 # the sums fit VMEM beside the tiles (COMBINE_VMEM: Qwen3 at 8192 tokens, 0.79 of v6e's VMEM, compiles;
-# Gemma-4 at 8192 does not).
+# Gemma-4 at 8192 does not; Gemma-4 at 2048 tokens on TPU7x, 0.87 of its VMEM by the estimate, does:
+# 730.4 -> 607.1 us).
 ADD_ROWS = 4
-COMBINE_VMEM = 0.8
+COMBINE_VMEM = 0.9
 GATHER_STAGE_ROWS = 128  # the tokens' rows reach their f32 copy in VMEM this many at a time
+GATHER_TILES_RIDGE = 0.25  # see fused_moe_gathers
 
 
 def fused_moe_combines(tokens: int, h: int, i: int, tiling, *, in_dtype, out_dtype, w_dtype=None,
@@ -1369,17 +1379,23 @@ def gather_vmem_bytes(tokens: int, h: int, tm: int, chunk: int, in_bytes: int, i
             - 2 * tm * h * in_bytes + (16 * h * 4 if i_tiled else 0))
 
 
-def fused_moe_gathers(tokens: int, h: int, i: int, tiling, *, in_dtype, out_dtype, w_dtype=None, chip=None) -> bool:
+def fused_moe_gathers(tokens: int, h: int, i: int, tiling, *, rows: int, groups: int, in_dtype, out_dtype,
+                      w_dtype=None, chip=None) -> bool:
     """Whether a combining fused MLP (``fused_moe_combines``) should also gather its rows' x from the tokens'
     rows held in VMEM (``fused_moe(gather=True)``): where they fit too. A row copy costs
     the core less than a combine's add, and saves the gathered [T * k, H] rows' trip through HBM and back
     (the XLA gather's write, the kernel's read); and as the rows need no tiles in HBM, the items are windows
     of a group's rows, so no expert is split at a tile edge. The cost model: Qwen3-30B-A3B at 2048 tokens,
     layer us 1795.7 -> 1750.8 on v5e, 888.3 -> 851.4 on v6e, Gemma-4 26B-A4B 2291.7 -> 2210.5, 1112.7 ->
-    1056.7 (before the windows). Shorter windows that would let intermediate tiles fit measured slower: each
-    tile copies the rows again (GPT-OSS-20B at 2048 tokens on v6e in 512-row windows: 1449.7 -> 1482.4)."""
+    1056.7 (before the windows). With intermediate tiles each tile copies the rows again: only where the
+    weights' DMA hides that (``waits_on_weights`` at GATHER_TILES_RIDGE). GPT-OSS-20B, layer us gathered
+    -> x's windows, at 6648ead: 2048 tokens (0.46 / 0.53 of the v6e / v5e ridge) v6e (COMBINE_VMEM 0.9)
+    1216.7 -> 1149.4, v5e 2987.5 -> 2871.6; but 256 tokens (0.06 of it) v5e / v6e 1990.9 / 1005.6 -> 2007.7
+    / 1012.2."""
     spec = _chip(chip)
     tm, chunk, ti = tiling
+    if ti < i and not waits_on_weights(rows, groups, w_dtype or in_dtype, chip, ridge=GATHER_TILES_RIDGE):
+        return False
     b = jnp.dtype(in_dtype).itemsize
     need = moe_vmem_bytes(tm, chunk, h, i, b, 0, jnp.dtype(w_dtype or in_dtype).itemsize, ti) + combine_vmem_bytes(
         tokens, h, chunk) + gather_vmem_bytes(tokens, h, tm, chunk, b, i_tiled=ti < i)
