@@ -284,11 +284,12 @@ def run_metadata(row_groups: jax.Array, tm: int, num_groups: int, windows: int |
     size = -(-m // tm) + g + 1  # static bound: runs start at a tile's first row or where the group changes
     r = jnp.arange(m, dtype=jnp.int32)
     key = jnp.where((row_groups >= 0) & (row_groups < g), row_groups, g).astype(jnp.int32)
-    if windows:  # each row's group's first row: the rows before the group (keys ascending); compares against
-        # every group, not a bincount and a gather (on the TPU a scatter and a serial gather of m indices)
-        mine = key[:, None] == jnp.arange(g + 1, dtype=jnp.int32)[None, :]
-        counts = jnp.sum(mine, axis=0, dtype=jnp.int32)
-        first = jnp.sum(jnp.where(mine, (jnp.cumsum(counts) - counts)[None, :], 0), axis=1)
+    if windows:  # each row's group's first row (keys ascending): the latest row where the key changed. A
+        # cummax measured faster than compares against every group ([m, g + 1], one fusion; Qwen3-30B-A3B
+        # at 256 tokens, layer us v5e 1515.5 -> 1506.3, 8192 tokens v6e 1764.0 -> 1754.2) and than a bincount
+        # and a gather (on the TPU a scatter and a serial gather of m indices)
+        changed = jnp.concatenate([jnp.ones((1,), bool), key[1:] != key[:-1]])
+        first = lax.cummax(jnp.where(changed, r, 0))
         starts = (r - first) % tm == 0
     else:
         starts = (r % tm == 0) | (key != jnp.concatenate([key[:1], key[:-1]]))
