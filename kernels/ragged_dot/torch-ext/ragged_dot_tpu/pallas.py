@@ -1385,8 +1385,8 @@ def fused_moe_gathers(tokens: int, h: int, i: int, tiling, *, rows: int, groups:
     """Whether a combining fused MLP (``fused_moe_combines``) should also gather its rows' x from the tokens'
     rows held in VMEM (``fused_moe(gather=True)``): where they fit too. A row copy costs
     the core less than a combine's add, and saves the gathered [T * k, H] rows' trip through HBM and back
-    (the XLA gather's write, the kernel's read); and as the rows need no tiles in HBM, the items are windows
-    of a group's rows, so no expert is split at a tile edge. The cost model: Qwen3-30B-A3B at 2048 tokens,
+    (the XLA gather's write, the kernel's read); its windows (``fused_moe_windows``) then fetch no x block.
+    The cost model: Qwen3-30B-A3B at 2048 tokens,
     layer us 1795.7 -> 1750.8 on v5e, 888.3 -> 851.4 on v6e, Gemma-4 26B-A4B 2291.7 -> 2210.5, 1112.7 ->
     1056.7 (before the windows). With intermediate tiles each tile copies the rows again: only where the
     weights' DMA hides that (``waits_on_weights`` at GATHER_TILES_RIDGE). GPT-OSS-20B, layer us gathered
@@ -1512,6 +1512,7 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
                for s in range(1 if interleaved else 2)]
     d_spec = pl.BlockSpec((None, h, ti) if down_transposed else (None, ti, h),
                           imap(lambda it, j, fg, ft: (fg[it], 0, j) if down_transposed else (fg[it], j, 0)))
+
     def rows_spec(width):  # the rows of a tile, or of the window of the latest item with data (x's windows)
         if last_window is None:
             return pl.BlockSpec((tm, width), imap(lambda it, j, fg, ft: (ft[it], 0)))
