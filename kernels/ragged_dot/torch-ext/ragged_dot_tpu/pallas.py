@@ -1360,16 +1360,23 @@ def fused_moe_combines(tokens: int, h: int, i: int, tiling, *, in_dtype, out_dty
                        chip=None) -> bool:
     """Whether the fused MLP at ``tiling`` (``fused_moe_tiling``) should also combine the layer's rows into
     its ``tokens`` outputs (``fused_moe(combine=...)``): where the sums fit VMEM (see ADD_ROWS)."""
-    spec = _chip(chip)
     tm, chunk, ti = tiling
-    need = moe_vmem_bytes(tm, chunk, h, i, jnp.dtype(in_dtype).itemsize, 0,  # no output tiles: the sums instead
-                          jnp.dtype(w_dtype or in_dtype).itemsize, ti) + combine_vmem_bytes(tokens, h, chunk)
-    return need <= COMBINE_VMEM * spec.vmem_bytes
+    need = combining_vmem_bytes(tokens, h, i, tm, chunk, ti, jnp.dtype(in_dtype).itemsize,
+                                jnp.dtype(w_dtype or in_dtype).itemsize)
+    return need <= COMBINE_VMEM * _chip(chip).vmem_bytes
 
 
 def combine_vmem_bytes(tokens: int, h: int, chunk: int) -> int:
     """The tokens' f32 sums (and a trash row, in whole sublane tiles) and a chunk of weighted rows."""
     return (_round_up(tokens + 1, 8) + chunk + ADD_ROWS) * h * 4
+
+
+def combining_vmem_bytes(tokens: int, h: int, i: int, tm: int, chunk: int, ti: int, in_bytes: int, w_bytes: int,
+                         *, x_rows: int | None = None, gather: bool = False) -> int:
+    """A combining fused MLP's VMEM: its tiles (x's blocks of ``x_rows``, tm by default; no output tiles,
+    the sums instead), the tokens' sums and (``gather``) the tokens' rows."""
+    return (moe_vmem_bytes(x_rows or tm, chunk, h, i, in_bytes, 0, w_bytes, ti) + combine_vmem_bytes(tokens, h, chunk)
+            + (gather_vmem_bytes(tokens, h, tm, chunk, in_bytes, i_tiled=ti < i) if gather else 0))
 
 
 def gather_vmem_bytes(tokens: int, h: int, tm: int, chunk: int, in_bytes: int, i_tiled: bool = False) -> int:
@@ -1397,9 +1404,8 @@ def fused_moe_gathers(tokens: int, h: int, i: int, tiling, *, rows: int, groups:
     tm, chunk, ti = tiling
     if ti < i and not waits_on_weights(rows, groups, w_dtype or in_dtype, chip, ridge=GATHER_TILES_RIDGE):
         return False
-    b = jnp.dtype(in_dtype).itemsize
-    need = moe_vmem_bytes(tm, chunk, h, i, b, 0, jnp.dtype(w_dtype or in_dtype).itemsize, ti) + combine_vmem_bytes(
-        tokens, h, chunk) + gather_vmem_bytes(tokens, h, tm, chunk, b, i_tiled=ti < i)
+    need = combining_vmem_bytes(tokens, h, i, tm, chunk, ti, jnp.dtype(in_dtype).itemsize,
+                                jnp.dtype(w_dtype or in_dtype).itemsize, gather=True)
     return need <= COMBINE_VMEM * spec.vmem_bytes
 
 
@@ -1432,9 +1438,9 @@ def fused_moe_windows(m: int, h: int, i: int, tiling, *, groups: int, tokens: in
         chunk = min(tm, _round_up(-(-avg // n) + 2 * sub, sub))
     if fitted or not gather:  # x's window is fetched whole; a fitted chunk takes room a long window held
         tm = max(chunk, min(tm, _round_up(int(WINDOW_SLACK * avg), sub)))
-    b, wb = jnp.dtype(in_dtype).itemsize, jnp.dtype(w_dtype or in_dtype).itemsize
-    need = moe_vmem_bytes(tm if gather else tm + sub, chunk, h, i, b, 0, wb, ti) + combine_vmem_bytes(
-        tokens, h, chunk) + (gather_vmem_bytes(tokens, h, tm, chunk, b, i_tiled=ti < i) if gather else 0)
+    need = combining_vmem_bytes(tokens, h, i, tm, chunk, ti, jnp.dtype(in_dtype).itemsize,
+                                jnp.dtype(w_dtype or in_dtype).itemsize, x_rows=tm if gather else tm + sub,
+                                gather=gather)
     return (tm, chunk) if need <= COMBINE_VMEM * spec.vmem_bytes else tiling[:2]
 
 
@@ -1495,6 +1501,7 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     # block inside x: m rows in whole native tiles, a window's at least)
     windows = sub if combine is not None and m > tm and (gather or (m % sub == 0 and m >= tm + sub)) else None
     last_window = m - tm - sub if windows and not gather else None
+    smem_weights = gather and bool(windows)  # a gathered window's weights: scalars read as its rows are copied
     bounds, item_group, item_tile, fetch_group, fetch_tile, num_items = run_metadata(
         rows_of_groups(group_sizes, m) if row_groups is None else row_groups, tm, g, windows=windows)
 
@@ -1555,7 +1562,7 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
         pad = (0, (m + tm + sub if windows else -(-m // tm) * tm) + ADD_ROWS - m)  # rows a chunk may read past m
         prefetch.append(jnp.pad(row_token.astype(jnp.int32), pad))
         comb = (out_dtype, jnp.promote_types(out_dtype, row_weight.dtype))
-        if gather and windows:  # the weights as f32 bits beside the tokens: each row's read as it is gathered
+        if smem_weights:  # the weights as f32 bits beside the tokens: each row's read as it is gathered
             # (a block of a window's weights, a lane of each (8, 128) tile, would move 128x their bytes)
             prefetch.append(jnp.pad(lax.bitcast_convert_type(row_weight.astype(jnp.float32), jnp.int32), pad))
         else:  # the weights' block beside x's (x's windows: f32, whose sublane tile any native tile of x spans)
@@ -1569,13 +1576,12 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
         out_shape, out_spec = (rows, h), pl.BlockSpec((rows, h), lambda *_: (0, 0))  # one buffer, written once
         scratch += [pltpu.VMEM((chunk + ADD_ROWS, h), jnp.float32)]
         out_bytes = rows * h * 4
-        need = moe_vmem_bytes(tm if last_window is None else tm + sub, chunk, h, i, x.dtype.itemsize, 0,
-                              gate_up.dtype.itemsize, ti) + combine_vmem_bytes(num_tokens, h, chunk)
+        need = combining_vmem_bytes(num_tokens, h, i, tm, chunk, ti, x.dtype.itemsize, gate_up.dtype.itemsize,
+                                    x_rows=tm if last_window is None else tm + sub, gather=gather)
         if gather:
             scratch += [pltpu.VMEM(x.shape, jnp.float32), pltpu.VMEM((chunk + ADD_ROWS, h), jnp.float32),
                         pltpu.VMEM((stage_rows, h), x.dtype), pltpu.SemaphoreType.DMA(())]
-            need += gather_vmem_bytes(num_tokens, h, tm, chunk, x.dtype.itemsize, i_tiled=nt > 1)
-        if gather and windows:
+        if smem_weights:
             scratch += [pltpu.VMEM((chunk + ADD_ROWS, 128), jnp.float32)]
     need += 2 * 4 * (gate_up_scale.size + down_scale.size) if quant and quant.channel else 0
     kernel = functools.partial(_moe_kernel, tm=tm, chunk=chunk, num_groups=g, transposed=transposed,
