@@ -78,9 +78,11 @@ def accumulate(acc, alpha, p, v):
 
 LOG2E = math.log2(math.e)
 ONES_ROWS = 16  # rows of ones below V^T in the keys-major step (one packed bf16 sublane tile)
-# Chips whose keys-major step takes exp in bf16 for bf16 inputs: v6e (bf16 EUP; half the exp pushes and pops,
-# ~2% per flash attention layer on the cost model). Not v5e (no bf16 VPU/EUP), nor TPU7x: it has them, but
-# the flash kernel's compiled schedule came out 0-2% longer with bf16 exp (benchmarks, pallas-hub bench runner).
+# Chips whose keys-major step takes exp in bf16 for bf16 inputs, in the paged kernel's prefill row blocks: v6e
+# (bf16 EUP; half the exp pushes and pops). Not v5e (no bf16 VPU/EUP), nor TPU7x: it has them, but the compiled
+# schedule came out 0-2% longer with bf16 exp (benchmarks, pallas-hub bench runner). The flash kernel takes
+# exp in f32 everywhere: its v6e schedule is shorter so (flash_attention_tpu.pallas), the paged kernel's mixed
+# batches 0.3-0.5% longer.
 BF16_EXP_CHIPS = ("v6e",)
 
 
