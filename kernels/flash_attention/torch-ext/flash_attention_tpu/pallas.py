@@ -59,13 +59,15 @@ COMPUTE, FIRST, LAST = 1, 2, 4  # schedule flags
 # rows = G * block_q. Chosen with the cost model v2 (benchmarks/): larger blocks amortise the per-step
 # overhead and each q block re-reads K/V less. 1024 x 2048 against 512 x 512-1024 at 8k causal: Qwen3
 # (d 128) 4703 -> 4015 us on v5e, 2484 -> 1954 on v6e, 1771 -> 1460 on TPU7x; Gemma-3 (d 256) 3598
-# -> 3279 on v5e; 1024 x 4096 gains 1-2% more, 2048 x 2048 loses and overflows VMEM at GQA 16:1.
+# -> 3279 on v5e; 2048 x 2048 loses and overflows VMEM at GQA 16:1. 1024 x 4096 on v6e and TPU7x (at
+# 81447d8, 8k causal, v6e / TPU7x): Qwen3 1717.7 / 1326.2 -> 1693.6 / 1304.4 us, Qwen3-235B 3340.9 /
+# 2567.9 -> 3310.8 / 2541.3, Gemma-3 531.9 / 408.5 -> 512.1 / 391.2; 2k rows unchanged (one K/V block).
 # Decode steps are pure K/V streaming, so they take the longest K/V blocks (TPU7x's HBM is fastest,
 # so its steps must be longest).
 CHIP_BLOCKS = {
     "v5e": (1024, 2048, 2048, 64 << 20),
-    "v6e": (1024, 2048, 4096, 96 << 20),
-    "tpu7x": (1024, 2048, 8192, 48 << 20),
+    "v6e": (1024, 4096, 4096, 96 << 20),
+    "tpu7x": (1024, 4096, 8192, 48 << 20),
     "": (512, 512, 2048, None),  # unknown / interpret: the compiler's default VMEM limit
 }
 
