@@ -346,3 +346,21 @@ def test_bf16_gradients(fa):
     for name, a, r in zip(("dq", "dk", "dv", "dsinks"), got, want):
         scale = float(jnp.abs(r).max())
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(r), atol=3e-2 * scale, err_msg=name)
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(seq=[[0, 1100, 700], [37, 1000, 1000]]),
+                                   dict(window=300, softcap=20.0, use_sinks=True)])
+def test_causal_diagonal_in_slabs(fa, monkeypatch, extra):
+    """Keys-major q blocks of several DIAGONAL_SLABs compute the causal diagonal's tile slab by slab, each
+    slab against the keys up to its last query: against the reference with ragged blocks, chunked prefill
+    (the diagonal off the tile grid), left padding, a window, soft-cap and sinks. Taken wherever a tile
+    starts at or after its q block's first query: forced on every masked tile, the slabs drop keys the
+    chunked rows see, so the check fails (the path runs and skips work)."""
+    assert fa.pallas._diagonal_slabs(512, 512, True) == 2 and fa.pallas._diagonal_slabs(1024, 1024, True) == 4
+    assert fa.pallas._diagonal_slabs(1024, 1024, False) == 0 and fa.pallas._diagonal_slabs(1024, 2048, True) == 0
+    b = len(extra.get("seq", [0]))
+    _check_forward(fa, b, 8, 2, 1100, 1100, 64, block_q=512, block_k=1024, **extra)
+    if "seq" in extra:
+        monkeypatch.setattr(fa.pallas, "_tile_on_diagonal", lambda *a, **k: jnp.bool_(True))
+        with pytest.raises(AssertionError):
+            _check_forward(fa, b, 8, 2, 1100, 1100, 64, block_q=512, block_k=1024, **extra)
