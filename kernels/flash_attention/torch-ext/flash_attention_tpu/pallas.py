@@ -355,12 +355,17 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
 
         def compute(masked, c=c, col0=col0, slabs=0):
             tile = pl.ds(c * bkc, bkc)
+            # a head's work comes in items: its whole q block against the tile, or (``slabs``, the diagonal's
+            # tile) slab n of it, queries [n size, (n + 1) size) against the tile's first keys(n) keys
+            size = bq // slabs if slabs else bq
+            keys = lambda n: (n + 1) * size if slabs else bkc  # noqa: E731
 
-            def positions():
+            def positions(n=0):
                 if not masked:
                     return None
-                return _positions(seq_ref, b, qi * bq, col0, rows=bq, cols=bkc, causal=causal, window=window,
-                                  mask=None if mask_ref is None else mask_ref[:, tile], keys_major=keys_major)
+                return _positions(seq_ref, b, qi * bq + n * size, col0, rows=size, cols=keys(n), causal=causal,
+                                  window=window, mask=None if mask_ref is None else mask_ref[:, tile],
+                                  keys_major=keys_major)
 
             # keys-major: the mask is two vectors and a compare, cheaper to redo per head than to keep
             # a tile-sized mask in VMEM and reload it; row-major (short rows): built once per tile
@@ -370,47 +375,32 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
             if keys_major:  # V^T and ones rows (the MXU sums the denominator), shared by the G heads
                 vt = jnp.concatenate([v.T, jnp.ones((am.ONES_ROWS, bkc), v.dtype)], axis=0)
 
-            # The G query heads of this KV group share the K/V tile. Keys-major, `per` heads an iteration
-            # as a software pipeline: head j + 1's scores are issued before head j's softmax step, so the
-            # scheduler runs one head's matmuls under another's vector work (one basic block).
+            # The G query heads of this KV group share the K/V tile. Keys-major, the items of `per` heads an
+            # iteration as a software pipeline: item x + 1's scores are issued before item x's softmax step, so
+            # the scheduler runs one item's matmuls under another's vector work (one basic block).
             per = heads_per_iteration if keys_major else 1
-
-            def diagonal_heads(i, carry):
-                # (head, slab) items in a software pipeline as below; slab n holds queries [n S, (n + 1) S)
-                # of the q block against the tile's first (n + 1) S keys
-                size = bq // slabs
-                items = [(i * per + j, n) for j in range(per) for n in range(slabs)]
-
-                def scores(g, n):
-                    keys = (n + 1) * size
-                    return am.scores_keys_major(k[:keys], q_ref[g, pl.ds(n * size, size), :], scale=scale,
-                                                softcap=softcap)
-
-                t = scores(*items[0])
-                for x, (g, n) in enumerate(items):
-                    t_next = scores(*items[x + 1]) if x + 1 < len(items) else None
-                    lanes, keys = pl.ds(n * size, size), (n + 1) * size
-                    ok = _positions(seq_ref, b, qi * bq + n * size, col0, rows=size, cols=keys, causal=causal,
-                                    window=window, keys_major=True)
-                    m_sc[g, :, lanes], acc_sc[g, :, lanes] = am.online_softmax_step_keys_major(
-                        m_sc[g, :, lanes], acc_sc[g, :, lanes], t, ok, vt[:, :keys])
-                    t = t_next
-                return carry
 
             def heads(i, carry):
                 if not keys_major:  # one head an iteration
                     s = am.scores(q_ref[i], k, scale=scale, softcap=softcap)
                     m_sc[i], l_sc[i], acc_sc[i] = am.online_softmax_step(m_sc[i], l_sc[i], acc_sc[i], s, ok, v)
                     return carry
-                t = am.scores_keys_major(k, q_ref[i * per], scale=scale, softcap=softcap)
-                for j in range(per):
-                    g = i * per + j
-                    t_next = am.scores_keys_major(k, q_ref[g + 1], scale=scale, softcap=softcap) if j + 1 < per else None
-                    m_sc[g], acc_sc[g] = am.online_softmax_step_keys_major(m_sc[g], acc_sc[g], t, positions(), vt)
+                items = [(i * per + j, n) for j in range(per) for n in range(slabs or 1)]
+
+                def scores(g, n):
+                    return am.scores_keys_major(k[:keys(n)], q_ref[g, pl.ds(n * size, size), :], scale=scale,
+                                                softcap=softcap)
+
+                t = scores(*items[0])
+                for x, (g, n) in enumerate(items):
+                    t_next = scores(*items[x + 1]) if x + 1 < len(items) else None
+                    lanes = pl.ds(n * size, size)
+                    m_sc[g, :, lanes], acc_sc[g, :, lanes] = am.online_softmax_step_keys_major(
+                        m_sc[g, :, lanes], acc_sc[g, :, lanes], t, positions(n), vt[:, :keys(n)])
                     t = t_next
                 return carry
 
-            jax.lax.fori_loop(0, groups // per, diagonal_heads if slabs else heads, 0)
+            jax.lax.fori_loop(0, groups // per, heads, 0)
 
         if mask_ref is None:
             full = _tile_full(seq_ref, b, qi, col0, bkc, bq=bq, causal=causal, window=window)
