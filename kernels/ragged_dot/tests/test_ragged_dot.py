@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from jax.experimental import pallas as pl
 
 from pallas_hub.verify import interpret
 
@@ -489,17 +490,45 @@ def _gpt_oss_reference(x, gu, gu_b, dn, dn_b, sizes, alpha=1.702, limit=7.0):
     return out
 
 
+@pytest.mark.parametrize("width", [128, 256, 384, 1920])  # one block, whole blocks, a narrower last one
+@pytest.mark.parametrize("on_mxu", [False, True])
+def test_deinterleave_splits_gate_and_up_lanes(load_kernel, width, on_mxu):
+    """GPT-OSS's interleaved gate/up lanes, split in a kernel (interpret mode) by the XLU's transposes
+    (exactly) or the MXU (hi + lo bf16 parts: to 2^-16 of each value) against strided slices, on values
+    spanning f32's range, signs and zeros."""
+    P = load_kernel("ragged_dot").pallas
+    ks = jax.random.split(jax.random.key(9), 2)
+    y = jax.random.normal(ks[0], (24, width)) * 10.0 ** jax.random.randint(ks[1], (24, width), -30, 31)
+    y = y.at[3].set(0.0)
+
+    def kernel(y_ref, g_ref, u_ref):
+        g_ref[...], u_ref[...] = P._deinterleave(y_ref[...], on_mxu)
+    half = jax.ShapeDtypeStruct((24, width // 2), jnp.float32)
+    with interpret("fast"):
+        gate, up = pl.pallas_call(kernel, out_shape=(half, half), interpret=True)(y)
+    for got, want in ((gate, y[:, 0::2]), (up, y[:, 1::2])):
+        got, want = np.asarray(got), np.asarray(want)
+        if on_mxu:
+            np.testing.assert_allclose(got, want, rtol=2.0 ** -16, atol=0)
+        else:
+            np.testing.assert_array_equal(got, want)
+    assert P.deinterleaves_on_mxu(2048 * 4, 32, "tpu7x") and not P.deinterleaves_on_mxu(8192 * 4, 32, "tpu7x")
+    assert not P.deinterleaves_on_mxu(2048 * 4, 32, "v5e")  # a 128-wide MXU: 4 MXU tiles a 256-lane block
+
+
 @pytest.mark.parametrize("mode,layout,i,ti,tm,chunk,sizes", [
     # [gate; up] halves in transformers' layout, 2 tiles of 128 (down [E, H, I]: tiles in its lanes)
     ("fast", "halves", 256, 128, 64, 32, [17, 43, 0, 3, 2, 30]),
     # GPT-OSS: interleaved [E, H, 2I] with biases, 3 tiles of 64 units (128 interleaved lanes); a group
     # crossing the 64-row tile boundary, empty groups, tail rows
     ("fast", "interleaved", 192, 64, 64, 32, [5, 0, 70, 0, 3, 9]),
+    ("fast", "interleaved-xlu", 192, 64, 64, 32, [5, 0, 70, 0, 3, 9]),  # split by transposes, not the MXU
     ("fast", "interleaved", 192, 192, 64, 32, [5, 0, 70, 0, 3, 9]),  # whole slabs, the same code
     # 3 tiles; the last group's second chunk pulled back over 8 rows of its first ([72, 104) then [96, 128)):
     # those rows carry each tile once
     ("fast", "halves", 384, 128, 128, 32, [20, 20, 19, 14, 0, 38]),
     pytest.param("strict", "interleaved", 192, 64, 32, 16, [5, 0, 40, 0, 3, 9], marks=pytest.mark.strict_interpret),
+    pytest.param("strict", "interleaved-xlu", 192, 64, 32, 16, [5, 0, 40, 0, 3, 9], marks=pytest.mark.strict_interpret),
     pytest.param("strict", "halves", 256, 128, 64, 32, [17, 43, 0, 3, 2, 30], marks=pytest.mark.strict_interpret)])
 def test_fused_moe_intermediate_tiles(load_kernel, mode, layout, i, ti, tm, chunk, sizes):
     """Experts too big for VMEM whole take their slabs ti intermediate units at a time, the down products
@@ -520,7 +549,8 @@ def test_fused_moe_intermediate_tiles(load_kernel, mode, layout, i, ti, tm, chun
         gu_b, dn_b = (0.5 * jax.random.normal(k, (len(sizes), n)) for k, n in ((ks[3], 2 * i), (ks[4], h)))
         with interpret(mode):
             out = P.fused_moe(x, gu, dn, jnp.array(sizes, jnp.int32), transposed=False, interleaved=True,
-                              activation="swiglu_oai", gate_up_bias=gu_b, down_bias=dn_b, tm=tm, chunk=chunk, ti=ti)
+                              activation="swiglu_oai", gate_up_bias=gu_b, down_bias=dn_b, tm=tm, chunk=chunk, ti=ti,
+                              mxu_deinterleave=layout == "interleaved")
         ref = _gpt_oss_reference(x, gu, gu_b, dn, dn_b, sizes)
     assert not np.isnan(np.asarray(out)).any()
     _close(out, ref, 1e-4)
@@ -552,6 +582,7 @@ def _combined_reference(x, ids, w, expert, num_experts):
     ("fast", "interleaved", "float32", 192, 64, 16, 8, True, 37),  # groups split into 16-row windows, 3 tiles
     ("fast", "halves", "bfloat16", 128, 128, 16, 16, True, 37),  # whole slabs, 16-row windows
     ("fast", "halves", "float32", 128, 128, 128, 16, True, 37),  # all rows in one tile: no windows
+    ("fast", "halves", "bfloat16", 128, 128, 64, 48, True, 37),  # chunks of 48 rows, 19 a group: added in a loop
     # 144 rows: windows of x's rows from a native tile, groups longer than a window, the last ones moved
     # back inside x
     ("fast", "halves", "float32", 128, 128, 32, 16, False, 48),
@@ -911,7 +942,7 @@ def test_gmm_chunks_groups_shorter_than_its_tile(load_kernel):
     assert not np.asarray(out)[sum(sizes):].any()
 
 
-@pytest.mark.parametrize("variant", ["kn", "nk", "gated", "interleaved-bias"])
+@pytest.mark.parametrize("variant", ["kn", "nk", "gated", "interleaved-bias", "interleaved-bias-xlu"])
 @pytest.mark.parametrize("mode", ["fast", pytest.param("strict", marks=pytest.mark.strict_interpret)])
 def test_gmm_row_chunks_match_whole_tiles(load_kernel, variant, mode):
     """gmm's loop over a group's rows in chunks (decode) against one pass over each whole tile: 64-row
@@ -927,9 +958,9 @@ def test_gmm_row_chunks_match_whole_tiles(load_kernel, variant, mode):
     kw = dict(transposed=transposed, tm=64, tn=128)
     if variant == "gated":
         kw.update(activation="silu")
-    if variant == "interleaved-bias":
+    if variant.startswith("interleaved-bias"):
         rhs = jnp.swapaxes(rhs, 1, 2)
-        kw.update(transposed=False, activation="swiglu_oai", interleaved=True,
+        kw.update(transposed=False, activation="swiglu_oai", interleaved=True, mxu_deinterleave=variant.endswith("bias"),
                   bias=0.1 * jax.random.normal(ks[2], (len(sizes), n)))
     gs = jnp.array(sizes, jnp.int32)
     with interpret(mode):

@@ -613,18 +613,52 @@ class MoeQuant(NamedTuple):
     e4m3: str  # how the chip converts e4m3fn (``e4m3_mode``)
     in_dots: bool  # dequantize inside the dots (``dequantize_in_dots``), not into VMEM scratch once per group
 
-def _deinterleave(y):
-    """(tm, 2t) f32 with gate/up in even/odd lanes -> two (tm, t). Mosaic has no lane-strided loads,
-    so transpose (lanes become sublanes), split sublane pairs, transpose back (XLU work only). The
-    transposes move the bits as int32 (free bitcasts on TPU): XLA:CPU, which runs the kernel in
-    interpret mode, folds a transpose of a bf16 x bf16 -> f32 dot into a dot it cannot execute
-    ("DotThunk ... BF16 x BF16 = F32")."""
-    pairs = lax.bitcast_convert_type(y, jnp.int32).T.reshape(y.shape[1] // 2, 2, y.shape[0])
-    return tuple(lax.bitcast_convert_type(pairs[:, i, :].T, y.dtype) for i in (0, 1))
+def _deinterleave(y, on_mxu: bool = False):
+    """(tm, 2t) f32 with gate/up in even/odd lanes -> two (tm, t). Mosaic has no lane-strided loads, so
+    either transpose (lanes become sublanes), split sublane pairs, transpose back (XLU work only; the
+    transposes move the bits as int32, free bitcasts on TPU: XLA:CPU, which runs the kernel in interpret
+    mode, folds a transpose of a bf16 x bf16 -> f32 dot into a dot it cannot execute, "DotThunk ... BF16 x
+    BF16 = F32"); or (``on_mxu``, ``deinterleaves_on_mxu``) through the MXU: each block of 256 lanes (the
+    last may be narrower) times a 0/1 matrix that moves its even lanes to its first half and its odd lanes
+    to its second, y in two bf16 parts (hi + lo: 16 of f32's 24 significand bits) that the MXU's f32
+    accumulator sums exactly."""
+    if not on_mxu:
+        pairs = lax.bitcast_convert_type(y, jnp.int32).T.reshape(y.shape[1] // 2, 2, y.shape[0])
+        return tuple(lax.bitcast_convert_type(pairs[:, i, :].T, y.dtype) for i in (0, 1))
+    hi = y.astype(jnp.bfloat16)
+    lo = (y - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+    halves = [], []
+    for b0 in range(0, y.shape[1], 256):
+        w = min(256, y.shape[1] - b0)
+        r, c = (lax.broadcasted_iota(jnp.int32, (w, w), d) for d in (0, 1))
+        sel = (r == jnp.where(c < w // 2, 2 * c, 2 * c - w + 1)).astype(jnp.bfloat16)
+        out = sum(lax.dot_general(part[:, b0:b0 + w], sel, (((1,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.float32) for part in (hi, lo))
+        halves[0].append(out[:, :w // 2])
+        halves[1].append(out[:, w // 2:])
+    return tuple(jnp.concatenate(h, axis=1) for h in halves)
+
+
+# Rows per group (on average) up to which GPT-OSS's interleaved gate/up lanes are split on the MXU
+# (``_deinterleave``) on chips with a 256-wide MXU: 1 / 6 more MXU work for gate_up at H = 2880, but the
+# transposes' XLU and select work is gone (2240 vcombine, 2080 vsel, 1024 vrot and 256 vxpose a chunk
+# below). Compiled for TPU7x, GPT-OSS-20B's gate_up gmm at 2048 tokens (256 rows an expert, 128-row
+# chunks): 2563 bundles and 192 vmatmuls an MXU per chunk -> 1899 and 224. Layer us (cost model): 2048
+# tokens TPU7x 1079.9 -> 918.9, v6e (fused) 1143.5 -> 1136.7; MXFP4 at 1 / 64 tokens TPU7x 90.0 / 659.0 ->
+# 81.1 / 592.7, v6e 113.7 / 953.4 -> 102.5 / 893.3; but 8192 tokens (1024 rows, whole tiles, MXU-bound)
+# TPU7x 2928.4 -> 3169.8, v6e 4136.0 -> 4155.7, and v5e (128-wide MXU) 2048 / 8192 2872.0 / 12697.1 ->
+# 3114.4 / 13194.3.
+MXU_DEINTERLEAVE_ROWS = 512
+
+
+def deinterleaves_on_mxu(m: int, groups: int, chip: str | None = None) -> bool:
+    """Whether kernels over ``m`` rows of ``groups`` experts split interleaved gate/up on the MXU."""
+    return _chip(chip).mxu_dim >= 256 and -(-m // max(groups, 1)) <= MXU_DEINTERLEAVE_ROWS
 
 
 def _gmm_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs,
-                tm, tn, chunk, num_groups, transposed, activation, interleaved, alpha, limit, has_bias, quant):
+                tm, tn, chunk, num_groups, transposed, activation, interleaved, alpha, limit, has_bias, quant,
+                mxu_deinterleave):
     del fetch_tile  # index maps only
     n_w = 2 if activation != "none" and not interleaved else 1
     mxfp4 = quant is not None and quant.kind == "mxfp4"
@@ -687,7 +721,7 @@ def _gmm_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs,
             if has_bias:
                 ys = [y + b[...].astype(jnp.float32) for y, b in zip(ys, b_refs)]
             if interleaved:
-                ys = _deinterleave(ys[0])
+                ys = _deinterleave(ys[0], mxu_deinterleave)
             return ys[0] if activation == "none" else _activate(ys[0], ys[1], activation, alpha, limit)
 
         def mine(y, r0):
@@ -721,7 +755,7 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
         tn: int | None = None, activation: str = "none", interleaved: bool = False, alpha: float = 1.702,
         limit: float = 7.0, bias=None, rhs_scale=None, chip: str | None = None,
         vmem_limit_bytes: int | None = None, chunk: int | None = None, in_dots: bool | None = None,
-        row_groups=None):
+        row_groups=None, mxu_deinterleave: bool | None = None):
     """out[rows of group i] = epilogue(lhs[rows] @ rhs[i]); rows past sum(group_sizes) are 0.
     ``row_groups`` [m] (the sorted group of each row, g for none; ``run_metadata``) replaces group_sizes.
 
@@ -735,7 +769,8 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
     one weight block per step (plain, or interleaved gate/up). ``chunk``: rows per iteration of the loop
     over a group's rows in a tile (default ``gmm_chunk_rows``; tm: the whole tile at once). ``in_dots``:
     MXFP4 weights decode inside each chunk's dots rather than once per block into scratch (default
-    ``mxfp4_in_dots``).
+    ``mxfp4_in_dots``). ``mxu_deinterleave``: interleaved gate/up split on the MXU (default
+    ``deinterleaves_on_mxu``).
     No validation here: ``ragged_dot`` and the experts op validate their inputs.
     """
     m, k = lhs.shape
@@ -844,7 +879,9 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
         vmem_limit_bytes = _vmem_limit(need, chip)
     kernel = functools.partial(_gmm_kernel, tm=tm, tn=tn, chunk=chunk, num_groups=g, transposed=transposed, activation=activation,
                                interleaved=interleaved, alpha=float(alpha), limit=float(limit),
-                               has_bias=bias is not None, quant=quant)
+                               has_bias=bias is not None, quant=quant,
+                               mxu_deinterleave=interleaved and (deinterleaves_on_mxu(m, g, chip) if mxu_deinterleave is None
+                                                                 else mxu_deinterleave))
     wb = rhs.dtype.itemsize
     return pl.pallas_call(
         kernel,
@@ -1022,11 +1059,13 @@ def reference(lhs, rhs, group_sizes, rhs_transposed=False, out_dtype=None):
 
 def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, tm, chunk, num_groups,
                 transposed, down_transposed, activation, interleaved, alpha, limit, has_bias, quant, i_tiles,
-                combine, gather, windows, last_window):
+                combine, gather, windows, last_window, mxu_deinterleave, straight_adds):
     del fetch_tile
     smem_weights = gather and windows
     if combine is not None:  # each row's token (scalar-prefetched) and routing weight: the item's rows' block
-        # as x's, or (gathered windows) all rows' as f32 bits, scalar-prefetched too; a chunk of weighted rows
+        # as x's, or (gathered windows) all rows' as f32 bits, scalar-prefetched too; two chunks of weighted
+        # rows and the pending one's (slot, first row, rows [lo, hi) of it) in SMEM
+        refs, pend = refs[:-1], refs[-1]
         if smem_weights:
             row_token, row_weight, x_ref, refs = refs[0], refs[1], refs[2], refs[3:]
             refs, wbuf = refs[:-1], refs[-1]  # the chunk's rows' weights, each row's in every lane
@@ -1087,6 +1126,7 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
 
         @pl.when(jnp.logical_and(i == 0, j == 0))
         def _zero_sums():  # a loop: the code of a branch taken once stays short
+            pend[0], pend[1], pend[2], pend[3] = 0, 0, 0, 0
             def zero(b, carry):
                 sums[pl.ds(pl.multiple_of(b * 8, 8), 8), :] = jnp.zeros((8, sums.shape[1]), sums.dtype)
                 return carry
@@ -1128,28 +1168,47 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
             return xbuf[pl.ds(0, chunk), :].astype(x_ref.dtype)
 
         def add_rows(y, r0, new, start, end):
-            """Each of the chunk's rows of this group (once), weighted, into its token's sum: the unsort
-            and the top-k sum of the layer, in VMEM (rounded and weighted as the result rows would be)."""
+            """The chunk's rows of this group (once), weighted, into their tokens' sums: now, or
+            (``straight_adds``: chunks mostly of one group's rows) as the pending chunk, during the next
+            chunk's down dots (``add_pending``)."""
             w = (wbuf[pl.ds(0, chunk), pl.ds(0, 1)] if smem_weights else row_weight[pl.ds(r0, chunk), :]).astype(prod_dtype)
-            ybuf[pl.ds(0, chunk), :] = (y.astype(y_dtype).astype(prod_dtype) * w).astype(jnp.float32)
+            slot = 1 - pend[0] if straight_adds else 0
+            ybuf[slot, pl.ds(0, chunk), :] = (y.astype(y_dtype).astype(prod_dtype) * w).astype(jnp.float32)
             base = row0 + r0
             lo, hi = jnp.clip(jnp.maximum(start - base, new), 0, chunk), jnp.clip(end - base, 0, chunk)
+            if straight_adds:
+                pend[0], pend[1], pend[2], pend[3] = slot, base, lo, hi
+            else:
+                add(slot, base, lo, hi)
+
+        def add_pending(straight=False):
+            add(pend[0], pend[1], pend[2], pend[3], straight)
+            pend[3] = 0
+
+        def add(slot, base, lo, hi, straight=False):
+            """Rows [lo, hi) of the chunk in ybuf[slot] (from row ``base``), weighted, into their tokens'
+            sums: the unsort and the top-k sum of the layer, in VMEM (rounded and weighted as the result rows
+            would be). ``straight``: straight-line code for every row of the chunk (rows outside [lo, hi) go
+            to the trash row), which shares the basic block, and the bundles, of the dots around it; else a
+            loop over its rows (up to ADD_ROWS - 1 past hi: to the trash row too)."""
             trash = sums.shape[0] - 1
 
-            def add(n, carry):
-                # ADD_ROWS rows at a time, their sums read before any is written (rows past hi go to the
-                # trash row); a token twice in a group (an expert listed twice) has adjacent rows: the
-                # second takes the first's new sum
-                rs = [lo + n * ADD_ROWS + u for u in range(ADD_ROWS)]
-                ts = [jnp.where(r < hi, row_token[base + r], trash) for r in rs]
+            def four(r0):
+                # ADD_ROWS rows at a time, their sums read before any is written; a token twice in a group
+                # (an expert listed twice) has adjacent rows: the second takes the first's new sum
+                rs = [r0 + u for u in range(ADD_ROWS)]
+                ts = [jnp.where((r >= lo) & (r < hi) if straight else r < hi, row_token[base + r], trash) for r in rs]
                 olds = [sums[pl.ds(t, 1), :] for t in ts]
                 prev = None
                 for u, (r, t) in enumerate(zip(rs, ts)):
                     old = olds[u] if u == 0 else jnp.where(t == ts[u - 1], prev, olds[u])
-                    prev = old + ybuf[pl.ds(r, 1), :]
+                    prev = old + ybuf[slot, pl.ds(r, 1), :]
                     sums[pl.ds(t, 1), :] = prev
-                return carry
-            lax.fori_loop(0, lax.div(hi - lo + ADD_ROWS - 1, ADD_ROWS), add, 0)
+            if straight:
+                for r0 in range(0, chunk, ADD_ROWS):
+                    four(r0)
+            else:
+                lax.fori_loop(0, lax.div(hi - lo + ADD_ROWS - 1, ADD_ROWS), lambda n, c: (four(lo + n * ADD_ROWS), c)[1], 0)
     else:
         @pl.when(jnp.logical_and(first, j == 0))
         def _zero():  # the tile's rows no group of its items writes stay zero
@@ -1179,13 +1238,15 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
             if has_bias:
                 ys = [y + b[...].astype(jnp.float32) for y, b in zip(ys, b_refs)]
             if interleaved:
-                ys = _deinterleave(ys[0])
+                ys = _deinterleave(ys[0], mxu_deinterleave)
             h = _activate(ys[0], ys[1], activation, alpha, limit).astype(mxu_dtype)
-            if interleaved:
+            if interleaved and not mxu_deinterleave:
                 # a branch the data always takes (start >= 0): XLA:CPU, running the kernel in interpret mode,
                 # would otherwise fold _deinterleave's last transpose into this dot's bf16 operand, which it
                 # cannot execute ("DotThunk ... BF16 x BF16 = F32"); on the TPU a scalar branch
                 h = lax.cond(start >= 0, lambda: h, lambda: jnp.zeros_like(h))
+            if combine is not None and straight_adds:  # in the basic block of the down dots, if not of all
+                add_pending(straight=True)
             y = lax.dot_general(h, down(), ddims, preferred_element_type=jnp.float32)
             if i_tiles == 1:
                 return finish(y, r0, new)
@@ -1203,6 +1264,11 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
 
         _for_group_rows(jnp.clip(start - row0, 0, span), jnp.clip(end - row0, 0, span), tm=span, chunk=chunk,
                         sub=sub, body=chunk_rows, fresh=True)
+
+    if combine is not None and straight_adds:
+        @pl.when(jnp.logical_and(i == pl.num_programs(0) - 1, j == pl.num_programs(1) - 1))
+        def _last_rows():  # the last chunk's rows wait for no next chunk
+            add_pending()
 
 
 def moe_vmem_bytes(tm, chunk, h, i, in_bytes, out_bytes, w_bytes=None, ti=None):
@@ -1338,8 +1404,16 @@ def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True
 
 # The MoE layer's combine (each result row, weighted, into its token's f32 sum) inside the fused MLP: the
 # tokens' sums stay in VMEM for the whole call, and the rows are added ADD_ROWS at a time, all read before
-# any is written (compiled, about 0.84 bundles per 128 lanes of a row: v6e, Qwen3-30B-A3B, 54 bundles for
-# 4 rows of 2048). Outside the kernel the same rows cross HBM four times (the kernel writes them, the unsort
+# any is written. Where a chunk is mostly one group's rows (an average group at least 3/4 of a chunk:
+# 2048 tokens and more), they are added during the next chunk's down dots (the last chunk's at the last
+# step), in straight-line code in the dots' basic block, whose spare slots take most of the adds: compiled
+# for v6e, Qwen3-30B-A3B at 8192 tokens (288-row chunks, 648 vmatmuls an MXU), a chunk's dots and adds
+# issue 6344 bundles, against 5463 for its dots and 4104 for the adds as a loop after them (57 bundles for
+# 4 rows of 2048). Layer us (cost model, the bench at 8bc658e -> deferred): v6e Qwen3 8192 tokens 1754.2
+# -> 1353.9; TPU7x 2048 tokens Qwen3 502.4 -> 465.8, Gemma-4 26B-A4B 606.4 -> 589.5; v5e Qwen3 8192
+# 4588.6 -> 4529.6, GPT-OSS-20B 2048 2872.0 -> 2848.3. Sparser chunks add their few rows at once, in
+# a loop (straight-line, every row of a chunk costs: Qwen3 fp8 at 64 tokens, 4 rows an expert in 32-row
+# chunks, measured 1-3% slower so). Outside the kernel the same rows cross HBM four times (the kernel writes them, the unsort
 # gather reads and writes them, the top-k sum reads them). Measured with the cost model (layer us, glue
 # combine -> in the kernel; the bench at b744681): Qwen3 2048 tokens v5e 1965 -> 1796, v6e 1040 -> 888;
 # 8192 tokens v5e 6358 -> 5092, v6e 2049 -> 2020; Gemma-4 26B-A4B 2048 tokens v5e 2675 -> 2292, v6e 1321 ->
@@ -1367,8 +1441,9 @@ def fused_moe_combines(tokens: int, h: int, i: int, tiling, *, in_dtype, out_dty
 
 
 def combine_vmem_bytes(tokens: int, h: int, chunk: int) -> int:
-    """The tokens' f32 sums (and a trash row, in whole sublane tiles) and a chunk of weighted rows."""
-    return (_round_up(tokens + 1, 8) + chunk + ADD_ROWS) * h * 4
+    """The tokens' f32 sums (and a trash row, in whole sublane tiles) and two chunks of weighted rows (one
+    pending)."""
+    return (_round_up(tokens + 1, 8) + 2 * (chunk + ADD_ROWS)) * h * 4
 
 
 def combining_vmem_bytes(tokens: int, h: int, i: int, tm: int, chunk: int, ti: int, in_bytes: int, w_bytes: int,
@@ -1447,7 +1522,7 @@ def fused_moe_windows(m: int, h: int, i: int, tiling, *, groups: int, tokens: in
 def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="silu", interleaved=False,
               alpha=1.702, limit=7.0, gate_up_bias=None, down_bias=None, out_dtype=None, tm=None, chunk=None,
               chip=None, down_transposed=None, gate_up_scale=None, down_scale=None, in_dots=None, row_groups=None,
-              ti=None, combine=None, gather=False):
+              ti=None, combine=None, gather=False, mxu_deinterleave=None):
     """down(act(x @ gate) * (x @ up)) per group in ONE kernel: the intermediate never leaves VMEM.
 
     x [m, H] (rows sorted by group), gate_up [g, 2I, H] / down [g, H, I] (``transposed``, the
@@ -1468,7 +1543,7 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     group with row_token[r] = t; the rows past T are scratch. The items are then windows of up to tm rows
     of a group (``run_metadata(windows=...)``; ``fused_moe_windows`` sizes them), x's rows fetched from
     each window's first native tile. ``gather`` (with combine; ``fused_moe_gathers``): x is the tokens'
-    rows [T, H], row r's x is x[row_token[r]], copied in the kernel.
+    rows [T, H], row r's x is x[row_token[r]], copied in the kernel. ``mxu_deinterleave``: as ``gmm``'s.
     """
     down_transposed = transposed if down_transposed is None else down_transposed
     m, h = x.shape
@@ -1574,7 +1649,7 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
         out_dtype = jnp.dtype(jnp.float32)
         rows = _round_up(num_tokens + 1, 8)  # the tokens' sums, a trash row, whole sublane tiles
         out_shape, out_spec = (rows, h), pl.BlockSpec((rows, h), lambda *_: (0, 0))  # one buffer, written once
-        scratch += [pltpu.VMEM((chunk + ADD_ROWS, h), jnp.float32)]
+        scratch += [pltpu.VMEM((2, chunk + ADD_ROWS, h), jnp.float32)]
         out_bytes = rows * h * 4
         need = combining_vmem_bytes(num_tokens, h, i, tm, chunk, ti, x.dtype.itemsize, gate_up.dtype.itemsize,
                                     x_rows=tm if last_window is None else tm + sub, gather=gather)
@@ -1583,12 +1658,16 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
                         pltpu.VMEM((stage_rows, h), x.dtype), pltpu.SemaphoreType.DMA(())]
         if smem_weights:
             scratch += [pltpu.VMEM((chunk + ADD_ROWS, 128), jnp.float32)]
+        scratch += [pltpu.SMEM((4,), jnp.int32)]
     need += 2 * 4 * (gate_up_scale.size + down_scale.size) if quant and quant.channel else 0
     kernel = functools.partial(_moe_kernel, tm=tm, chunk=chunk, num_groups=g, transposed=transposed,
                                down_transposed=down_transposed,
                                activation=activation, interleaved=interleaved, alpha=float(alpha),
                                limit=float(limit), has_bias=gate_up_bias is not None, quant=quant, i_tiles=nt,
-                               combine=comb, gather=gather, windows=bool(windows), last_window=last_window)
+                               combine=comb, gather=gather, windows=bool(windows), last_window=last_window,
+                               straight_adds=4 * -(-m // g) >= 3 * chunk,
+                               mxu_deinterleave=interleaved and (deinterleaves_on_mxu(m, g, chip) if mxu_deinterleave is None
+                                                                 else mxu_deinterleave))
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
