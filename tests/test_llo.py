@@ -127,3 +127,22 @@ def test_a_compiled_pallas_matmul_matches_its_hand_count(tmp_path, monkeypatch):
     assert (tmp_path / "llo" / f"{job.key}.json").exists()  # cached: a second call compiles nothing
     assert compiled.profiles([job], progress=lambda *_: None)[job.key] == json.loads(
         (tmp_path / "llo" / f"{job.key}.json").read_text())
+
+
+@pytest.mark.tpu_compile
+def test_each_program_compiles_in_a_fresh_process(tmp_path, monkeypatch):
+    """A compile's schedule must not depend on what its process compiled before (vLLM TPU's
+    ragged_paged_attention v3 did): one process per program, a failing one reported beside the others."""
+    monkeypatch.setenv("PALLAS_HUB_CACHE", str(tmp_path))
+    launched = []
+    popen = compiled.subprocess.Popen
+    monkeypatch.setattr(compiled.subprocess, "Popen", lambda *a, **kw: launched.append(a) or popen(*a, **kw))
+    good = [compiled.Job("validate: pallas matmul", ("matmul", 256, 256, n, 128, 128, 128), "v6e", (), "test")
+            for n in (256, 384)]
+    bad = compiled.Job("validate: pallas matmul", ("matmul", 256, 256, 256, 100, 128, 128), "v6e", (), "test")
+    profs = compiled.profiles(good + [bad], progress=lambda *_: None, workers=1)
+    assert len(launched) == 3
+    for job, n in zip(good, (256, 384)):
+        (kernel,) = [op for op in compiled.ops(profs[job.key]) if op["kernel"]]
+        assert kernel["program"]["loops"][0]["trips"] == 2 * 2 * n // 128 + 2  # the (m, n, k) grid + 2 pipeline stages
+    assert "100" in profs[bad.key]["error"] or "divis" in profs[bad.key]["error"], profs[bad.key]

@@ -282,32 +282,33 @@ def _harness() -> str:
                                                                        "problems.py"))).hexdigest()[:16]
 
 
-def _worker(worklist: str, dump: str) -> None:
-    """python -m pallas_hub.bench.compiled WORKLIST DUMP_DIR: one line per job on stdout."""
-    items = json.loads(Path(worklist).read_text())
-    for item in items:
-        out = Path(item["out"])
-        try:
-            profile = _compile_one(item["job"], Path(dump))
-            tmp = out.with_suffix(".tmp")
-            tmp.write_text(json.dumps(profile))
-            tmp.replace(out)
-            print(f"DONE {item['key']} {profile['compile_seconds']:.1f}", flush=True)
-        except Exception as e:  # report and go on: one failing program must not stop the others
-            from ..verify import first_line
+def _worker(job_file: str, dump: str) -> None:
+    """python -m pallas_hub.bench.compiled JOB_FILE DUMP_DIR: compile one job, one line on stdout."""
+    item = json.loads(Path(job_file).read_text())
+    out = Path(item["out"])
+    try:
+        profile = _compile_one(item["job"], Path(dump))
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(profile))
+        tmp.replace(out)
+        print(f"DONE {item['key']} {profile['compile_seconds']:.1f}", flush=True)
+    except Exception as e:  # report it: the caller goes on with the other programs
+        from ..verify import first_line
 
-            if not isinstance(e, (MemoryError, OSError)):  # the compiler's own verdict: the same inputs fail again
-                out.write_text(json.dumps({"version": PROFILE_VERSION, "job": item["job"], "error": first_line(e),
-                                           "harness": _harness()}))
-            print(f"FAIL {item['key']} {first_line(e)}", flush=True)
+        if not isinstance(e, (MemoryError, OSError)):  # the compiler's own verdict: the same inputs fail again
+            out.write_text(json.dumps({"version": PROFILE_VERSION, "job": item["job"], "error": first_line(e),
+                                       "harness": _harness()}))
+        print(f"FAIL {item['key']} {first_line(e)}", flush=True)
 
 
 def profiles(jobs: list[Job], *, progress: Callable = print, workers: int = 1, timeout: float = 3600) -> dict[str, dict]:
-    """Profile per job key: from the cache, else compiled by ``workers`` worker processes.
+    """Profile per job key: from the cache, else compiled by up to ``workers`` processes at a time.
 
+    Each program compiles in a fresh process: a compile's schedule must not depend on what the process
+    compiled before (it did: vLLM TPU's ragged_paged_attention v3 came out with other loops after other
+    programs), and libtpu reads its flags (the dump directory) once per process.
     A failed compile gives ``{"error": message}`` (never a guessed profile); the compiler's errors are cached
-    like profiles (same key), a crashed or stalled worker's are not. ``timeout``: seconds without any program
-    finishing before the workers are stopped."""
+    like profiles (same key), a crashed or stalled process's are not. ``timeout``: seconds a process may take."""
     cache = cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     result: dict[str, dict] = {}
@@ -326,71 +327,64 @@ def profiles(jobs: list[Job], *, progress: Callable = print, workers: int = 1, t
         todo.append({"key": key, "job": job.to_dict(), "out": str(path)})
     if not todo:
         return result
-    progress(f"  compiling {len(todo)} programs for TPU ahead of time ({len(jobs) - len(todo)} cached) "
-             f"in {workers} worker process(es)")
-    # libtpu reads its flags once per process: validation compiles with the static profile get their own
-    groups = [[t for t in todo if t["job"]["static_profile"] == flag] for flag in (False, True)]
-    batches = [(g[i::workers], bool(g[0]["job"]["static_profile"])) for g in groups if g for i in range(workers)
-               if g[i::workers]]
-    procs = []
+    progress(f"  compiling {len(todo)} programs for TPU ahead of time ({len(jobs) - len(todo)} cached), "
+             f"{workers} at a time, each in a fresh process")
     tmp = Path(tempfile.mkdtemp(prefix="pallas-hub-llo-"))
+    running: dict = {}  # process -> (item, started)
+    start = time.perf_counter()
     try:
-        for i, (batch, static) in enumerate(batches):
-            worklist = tmp / f"work{i}.json"
-            worklist.write_text(json.dumps(batch))
-            dump = tmp / f"dump{i}"
+        for n, item in enumerate(todo):
+            while len(running) >= max(workers, 1):
+                _finish(running, result, progress, timeout, start, todo)
+            job_file, dump = tmp / f"job{n}.json", tmp / f"dump{n}"
+            job_file.write_text(json.dumps(item))
             dump.mkdir()
-            flags = llo.flags(str(dump)) + (f" --xla_jf_dump_static_llo_profile_to={dump}/profile" if static else "")
+            flags = llo.flags(str(dump)) + (f" --xla_jf_dump_static_llo_profile_to={dump}/profile"
+                                            if item["job"]["static_profile"] else "")
             env = dict(os.environ, LIBTPU_INIT_ARGS=flags, JAX_PLATFORMS="cpu",
                        ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_ACCELERATOR_TYPE=os.environ.get("TPU_ACCELERATOR_TYPE", ""))
-            procs.append(subprocess.Popen([sys.executable, "-m", "pallas_hub.bench.compiled", str(worklist), str(dump)],
-                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env))
-        _follow(procs, todo, result, progress, timeout)
+            proc = subprocess.Popen([sys.executable, "-m", "pallas_hub.bench.compiled", str(job_file), str(dump)],
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+            running[proc] = (item, time.perf_counter())
+        while running:
+            _finish(running, result, progress, timeout, start, todo)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        for proc in running:
+            proc.kill()
         shutil.rmtree(tmp, ignore_errors=True)
     return result
 
 
-def _follow(procs, todo, result, progress, timeout):
-    import selectors
-
-    by_key = {t["key"]: t for t in todo}
-    sel = selectors.DefaultSelector()
-    for p in procs:
-        sel.register(p.stdout, selectors.EVENT_READ, p)
-    start = last = time.perf_counter()
-    done = 0
-    open_streams = len(procs)
-    while open_streams and time.perf_counter() - last < timeout:
-        for key_, _ in sel.select(timeout=30):
-            line = key_.fileobj.readline()
-            if not line:
-                sel.unregister(key_.fileobj)
-                open_streams -= 1
+def _finish(running: dict, result: dict, progress: Callable, timeout: float, start: float, todo: list) -> None:
+    """Wait for one of the running compile processes to end (or be stopped past ``timeout``) and record it."""
+    while True:
+        for proc, (item, started) in list(running.items()):
+            stalled = time.perf_counter() - started > timeout
+            if proc.poll() is None and not stalled:
                 continue
+            if stalled:
+                proc.kill()
+            out, _ = proc.communicate()
+            del running[proc]
+            line = next((ln for ln in out.splitlines() if ln.startswith(("DONE ", "FAIL "))), "")
             parts = line.split(" ", 2)
-            if parts[0] not in ("DONE", "FAIL") or len(parts) < 2 or parts[1].strip() not in by_key:
-                continue
-            key = parts[1].strip()
-            item = by_key[key]
-            done += 1
-            last = time.perf_counter()
             if parts[0] == "DONE":
-                result[key] = json.loads(Path(item["out"]).read_text())
+                result[item["key"]] = json.loads(Path(item["out"]).read_text())
                 what = f"{float(parts[2]):.0f}s"
             else:
-                result[key] = {"error": parts[2].strip()}
-                what = "FAILED: " + parts[2].strip()
+                error = parts[2].strip() if len(parts) == 3 else (
+                    f"the compile process stopped past {timeout:.0f}s" if stalled else
+                    f"the compile process ended without a result (exit code {proc.returncode})")
+                result[item["key"]] = {"error": error}
+                what = "FAILED: " + error
+            done = sum(t["key"] in result for t in todo)
             elapsed = time.perf_counter() - start
             eta = elapsed / done * (len(todo) - done)
             j = item["job"]
             progress(f"  [{done}/{len(todo)} {elapsed:5.0f}s, ETA {eta:4.0f}s] compiled {_name(j['problem'])} | {j['impl']} "
                      f"| {j['chip']}: {what}")
-    for t in todo:  # a worker that died takes its remaining jobs with it: say so
-        result.setdefault(t["key"], {"error": "the compile worker stopped before this program (crash or timeout)"})
+            return
+        time.sleep(0.2)
 
 
 def _name(recipe) -> str:
