@@ -228,9 +228,9 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
                              down_bias=down_bias, out_dtype=wdt, down_transposed=down_t,
                              gate_up_scale=gate_up_scale, down_scale=down_scale, tm=tm, chunk=chunk, ti=ti,
                              combine=(tokens, top_k_weights.reshape(-1)[order], t) if combine else None,
-                             gather=gather)
+                             gather=gather, sums_dtype=hidden_states.dtype)
         if combine:  # no [T * k, H] result left the kernel
-            return y[:t].astype(hidden_states.dtype)
+            return y
     else:  # experts too big for VMEM whole in a compute-bound layer (TILED_MOE_RIDGE, TILED_MXU_FILL), MXFP4: two gmm calls
         inter = pallas.gmm(x, gate_up_proj, None, row_groups=row_groups, transposed=transposed, activation=activation,
                            interleaved=interleaved, alpha=alpha, limit=limit, bias=gate_up_bias, out_dtype=wdt,
