@@ -1287,43 +1287,31 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
                 add_pending()
             # the sums in the output's dtype, a block at a time through two VMEM buffers (a block's DMA runs
             # while the next is converted): the f32 sums never reach HBM
-            n = obuf.shape[1]
-            full, rem = divmod(out_ref.shape[0], n)
+            n, total = obuf.shape[1], out_ref.shape[0]
 
-            def dma(b, rows, slot):
-                return pltpu.make_async_copy(obuf.at[slot, pl.ds(0, rows)], out_ref.at[pl.ds(b * n, rows)],
-                                             osem.at[slot])
-
-            def convert(b, rows, slot):  # a loop of 16-row pieces: the code stays short for any block
+            def convert(r0, rows, slot):  # a loop of 16-row pieces: the code stays short for any block
                 def piece(p, carry):
                     r = pl.multiple_of(p * 16, 16)
-                    obuf[slot, pl.ds(r, 16), :] = sums[pl.ds(pl.multiple_of(b * n + r, 16), 16), :].astype(obuf.dtype)
+                    obuf[slot, pl.ds(r, 16), :] = sums[pl.ds(pl.multiple_of(r0 + r, 16), 16), :].astype(obuf.dtype)
                     return carry
                 if rows >= 16:
                     lax.fori_loop(0, rows // 16, piece, 0)
                 if rows % 16:  # f32 results: a last 8-row tile
-                    obuf[slot, pl.ds(rows - 8, 8), :] = sums[pl.ds(b * n + rows - 8, 8), :].astype(obuf.dtype)
+                    obuf[slot, pl.ds(rows - 8, 8), :] = sums[pl.ds(r0 + rows - 8, 8), :].astype(obuf.dtype)
 
-            def block(b, carry):
-                slot = b % 2
-
-                @pl.when(b >= 2)
-                def _wait():  # the slot's previous block has left
-                    dma(b - 2, n, slot).wait()
-                convert(b, n, slot)
-                dma(b, n, slot).start()
-                return carry
-            lax.fori_loop(0, full, block, 0)
-            pending = [(b, n, b % 2) for b in range(max(full - 2, 0), full)]
-            if rem:  # the last, shorter block (whole sublane tiles of the output's dtype)
-                slot = full % 2
-                if full >= 2:
-                    dma(*pending.pop(0)).wait()
-                convert(full, rem, slot)
-                dma(full, rem, slot).start()
-                pending.append((full, rem, slot))
-            for args in pending:
-                dma(*args).wait()
+            # the blocks unrolled here: as a loop of a few trips, the compiler unrolled it itself, leaving
+            # copies of the piece loop no kernel loop matches (the cost model would count them once)
+            copies = []
+            for b, r0 in enumerate(range(0, total, n)):
+                rows, slot = min(n, total - r0), b % 2
+                if b >= 2:  # the slot's previous block has left
+                    copies[b - 2].wait()
+                convert(r0, rows, slot)
+                copies.append(pltpu.make_async_copy(obuf.at[slot, pl.ds(0, rows)], out_ref.at[pl.ds(r0, rows)],
+                                                    osem.at[slot]))
+                copies[-1].start()
+            for copy in copies[-2:]:
+                copy.wait()
 
 
 def moe_vmem_bytes(tm, chunk, h, i, in_bytes, out_bytes, w_bytes=None, ti=None):
