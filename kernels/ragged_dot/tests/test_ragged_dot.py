@@ -601,8 +601,8 @@ def test_fused_moe_combines_rows_into_their_tokens(load_kernel, monkeypatch, mod
                                                    gather, t):
     """With ``combine`` the fused MLP returns each token's weighted sum of its experts' rows (the MoE
     layer's unsort and top-k sum), with ``gather`` from the tokens' rows themselves: against an f32
-    reference per token, from the routing sort's rows. Gathering, the sums leave VMEM in 16-row blocks
-    (3 of them, the last shorter in f32: two DMAs in flight, a slot reused); else in one block."""
+    reference per token, from the routing sort's rows. Gathering, the sums leave VMEM in blocks of at
+    most 16 rows (f32: 5 of 8 rows, bf16: 3 of 16; two DMAs in flight, a slot reused); else in one block."""
     P = load_kernel("ragged_dot").pallas
     if gather:
         monkeypatch.setattr(P, "MAX_WRITE_ROWS", 16)
