@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                 "checks, bridge overhead; a subset run writes benchmarks/results/partial/ only")
     p.add_argument("--families", help="comma-separated subset of moe,prefill,decode")
     p.add_argument("--chips", help="comma-separated subset of v5e,v6e,tpu7x")
-    p.add_argument("--workers", type=int, default=1, help="compile worker processes (default 1)")
+    p.add_argument("--workers", type=int, default=1, help="programs compiled at a time, each in its own process (default 1)")
     p.add_argument("--no-bridge", action="store_true", help="skip the bridge overhead measurement")
     p.add_argument("--no-xla", action="store_true", help="skip the XLA:TPU matmul comparison")
     p.add_argument("--path", action="append", help="one of our kernel folders to bench instead of the manifest's (repeatable)")
