@@ -330,22 +330,23 @@ def profiles(jobs: list[Job], *, progress: Callable = print, workers: int = 1, t
     progress(f"  compiling {len(todo)} programs for TPU ahead of time ({len(jobs) - len(todo)} cached), "
              f"{workers} at a time, each in a fresh process")
     tmp = Path(tempfile.mkdtemp(prefix="pallas-hub-llo-"))
-    running: dict = {}  # process -> (item, started)
+    running: dict = {}  # process -> (item, started, its stdout's file)
     start = time.perf_counter()
     try:
         for n, item in enumerate(todo):
             while len(running) >= max(workers, 1):
                 _finish(running, result, progress, timeout, start, todo)
-            job_file, dump = tmp / f"job{n}.json", tmp / f"dump{n}"
+            job_file, dump, log = tmp / f"job{n}.json", tmp / f"dump{n}", tmp / f"job{n}.out"
             job_file.write_text(json.dumps(item))
             dump.mkdir()
             flags = llo.flags(str(dump)) + (f" --xla_jf_dump_static_llo_profile_to={dump}/profile"
                                             if item["job"]["static_profile"] else "")
             env = dict(os.environ, LIBTPU_INIT_ARGS=flags, JAX_PLATFORMS="cpu",
                        ALLOW_MULTIPLE_LIBTPU_LOAD="1", TPU_ACCELERATOR_TYPE=os.environ.get("TPU_ACCELERATOR_TYPE", ""))
-            proc = subprocess.Popen([sys.executable, "-m", "pallas_hub.bench.compiled", str(job_file), str(dump)],
-                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-            running[proc] = (item, time.perf_counter())
+            with log.open("w") as stdout:  # a file, not a pipe: output nobody reads while it runs cannot block it
+                proc = subprocess.Popen([sys.executable, "-m", "pallas_hub.bench.compiled", str(job_file), str(dump)],
+                                        stdout=stdout, stderr=subprocess.DEVNULL, env=env)
+            running[proc] = (item, time.perf_counter(), log)
         while running:
             _finish(running, result, progress, timeout, start, todo)
     finally:
@@ -358,15 +359,15 @@ def profiles(jobs: list[Job], *, progress: Callable = print, workers: int = 1, t
 def _finish(running: dict, result: dict, progress: Callable, timeout: float, start: float, todo: list) -> None:
     """Wait for one of the running compile processes to end (or be stopped past ``timeout``) and record it."""
     while True:
-        for proc, (item, started) in list(running.items()):
+        for proc, (item, started, log) in list(running.items()):
             stalled = time.perf_counter() - started > timeout
             if proc.poll() is None and not stalled:
                 continue
             if stalled:
                 proc.kill()
-            out, _ = proc.communicate()
+            proc.wait()
             del running[proc]
-            line = next((ln for ln in out.splitlines() if ln.startswith(("DONE ", "FAIL "))), "")
+            line = next((ln for ln in log.read_text().splitlines() if ln.startswith(("DONE ", "FAIL "))), "")
             parts = line.split(" ", 2)
             if parts[0] == "DONE":
                 result[item["key"]] = json.loads(Path(item["out"]).read_text())
