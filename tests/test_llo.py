@@ -110,6 +110,31 @@ def test_entry_ops_bytes_in_place_partial_reads_vmem_and_multiline_instructions(
     assert ops["add.3"]["hbm_bytes"] == 2 * 8 * 128 * 2  # the kernel's output sits in VMEM
 
 
+def test_identical_kernel_calls_share_their_compiled_program():
+    """Two calls of one kernel on other operands compile to one program, dumped under the first call's name
+    (a layer in parts of its tokens): both get its schedule; a kernel of other shapes does not."""
+    hlo = """HloModule jit_f, is_scheduled=true
+
+ENTRY %main (a: bf16[8,128], b: bf16[8,128], c: bf16[16,128]) -> bf16[8,128] {
+  %a = bf16[8,128]{1,0} parameter(0)
+  %b = bf16[8,128]{1,0} parameter(1)
+  %c = bf16[16,128]{1,0} parameter(2)
+  %k.1 = bf16[8,128]{1,0} custom-call(%a), custom_call_target="tpu_custom_call", backend_config={"kernel":"x"}
+  %k.2 = bf16[8,128]{1,0} custom-call(%b), custom_call_target="tpu_custom_call", backend_config={"kernel":"x"}
+  %k.3 = bf16[16,128]{1,0} custom-call(%c), custom_call_target="tpu_custom_call", backend_config={"kernel":"x"}
+  ROOT %add.1 = bf16[8,128]{1,0} add(%k.2, %k.1)
+}
+"""
+    import base64
+    import zlib
+
+    program = {"bundles": 7}
+    profile = {"hlo": base64.b64encode(zlib.compress(hlo.encode())).decode(), "programs": {"k.2": program}}
+    ops = {op["name"]: op for op in compiled.ops(profile)}
+    assert ops["k.1"]["program"] == ops["k.2"]["program"] == program
+    assert ops["k.3"]["program"] is None
+
+
 @pytest.mark.tpu_compile
 def test_a_compiled_pallas_matmul_matches_its_hand_count(tmp_path, monkeypatch):
     """jax's Pallas matmul, 2048^2 x 2048 in 512^3 blocks, compiled for v6e in a worker process:

@@ -189,7 +189,10 @@ def entry_ops(hlo: str) -> list[dict]:
             hbm = out + sum(min(b, out) for b in ins)
         else:
             hbm = out + sum(ins)
-        ops.append({"name": name, "opcode": opcode, "root": root, "hbm_bytes": hbm,
+        # a kernel's text without any name: identical calls (the same kernel on other operands) share one
+        # compiled program, and the LLO dump holds it under the first one's name only
+        same = re.sub(r"%[\w.\-]+", "%", type_text + rest) if opcode == "custom-call" else None
+        ops.append({"name": name, "opcode": opcode, "root": root, "hbm_bytes": hbm, "same": same,
                     "kernel": opcode == "custom-call" and bool(target) and target.group(1) == "tpu_custom_call",
                     "offloaded": 'async_execution_thread="sparsecore"' in text, "free": opcode in _FREE})
     return ops
@@ -270,6 +273,10 @@ def ops(profile: dict) -> list[dict]:
     out = [op for op in entry_ops(hlo) if not op["free"]]
     for op in out:
         op["program"] = profile["programs"].get(op["name"])
+    shared = {op["same"]: op["program"] for op in out if op["same"] is not None and op["program"] is not None}
+    for op in out:  # identical kernel calls: one compiled program
+        if op["program"] is None and op["same"] in shared:
+            op["program"] = shared[op["same"]]
     return out
 
 
