@@ -2,6 +2,7 @@
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import transformers as T
@@ -229,3 +230,60 @@ def test_no_tokens_give_an_empty_output(kern):
         out = kern.experts_forward(mod, x, idx, w)
         assert out.shape == (0, 64) and out.dtype == x.dtype
         torch.testing.assert_close(out, ALL_EXPERTS_FUNCTIONS["grouped_mm"](mod, x, idx, w))
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_a_layer_whose_sums_do_not_fit_combines_in_parts(kern, monkeypatch, gather):
+    """Where the tokens' f32 sums do not fit VMEM whole, the layer runs as parts of its tokens that each
+    combine in the kernel (``experts.combining_parts``), here forced to 3 parts of 37 tokens (13, 13, 11),
+    their rows gathered in the kernel or by XLA: the output of the whole layer bit for bit, and grouped_mm's."""
+    import jax.numpy as jnp
+    from pallas_hub.verify import interpret
+
+    if not gather:
+        monkeypatch.setattr(kern.pallas, "fused_moe_gathers", lambda *a, **kw: False)
+    mod = _qwen3_experts(kern)
+    x = torch.randn(37, 64)
+    idx, w = _routing(37, 8, 2, seed=11)
+    args = [jnp.asarray(a.detach().numpy()) for a in (x, idx, w, mod.gate_up_proj, mod.down_proj)]
+    with interpret("strict"):
+        whole = kern.experts.experts(*args)
+    decided, combined = [], []
+    real_parts, real_fused = kern.experts.combining_parts, kern.pallas.fused_moe
+
+    def three(*a, **kw):
+        n, tiling_of = real_parts(*a, **kw)
+        decided.append(n)
+        return 3, tiling_of
+
+    def fused(*a, combine=None, **kw):
+        combined.append(None if combine is None else combine[2])
+        assert kw["gather"] == gather
+        return real_fused(*a, combine=combine, **kw)
+    monkeypatch.setattr(kern.experts, "combining_parts", three)
+    monkeypatch.setattr(kern.pallas, "fused_moe", fused)
+    with interpret("strict"):
+        parts = kern.experts.experts(*args)
+    assert decided == [1] and combined == [13, 13, 11]  # it would have combined whole
+    assert bool(jnp.all(parts == whole))
+    with torch.no_grad():
+        reference = ALL_EXPERTS_FUNCTIONS["grouped_mm"](mod, x, idx, w)
+    torch.testing.assert_close(torch.from_numpy(np.asarray(parts)), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_layers_combine_in_parts_only_where_the_parts_pay(kern):
+    """Gemma-4 26B-A4B at 8192 tokens: its sums fit no chip's VMEM whole. On v5e two parts combine, each
+    still compute-bound with the experts' weights fetched once a part; on v6e and TPU7x parts would wait on
+    those fetches, and the layer stays whole (XLA combines). Qwen3-30B-A3B at 8192 tokens combines whole on v6e."""
+    P, E = kern.pallas, kern.experts
+    bf = "bfloat16"
+
+    def parts(chip, t=8192, k=8, e=128, h=2816, i=704):
+        layout = dict(transposed=True, interleaved=False, down_transposed=i % 128 == 0)
+        tiling = P.fused_moe_tiling(t * k, h, i, in_dtype=bf, out_dtype=bf, w_dtype=bf, groups=e, chip=chip, **layout)
+        n, tiling_of = E.combining_parts(t, k, e, h, i, tiling, in_dtype=bf, w_dtype=bf, chip=chip, **layout)
+        if n > 1:
+            assert P.fused_moe_combines(-(-t // n), h, i, tiling_of(-(-t // n)), in_dtype=bf, out_dtype=bf, chip=chip)
+        return n
+    assert [parts(c) for c in ("v5e", "v6e", "tpu7x")] == [2, 1, 1]
+    assert parts("v6e", h=2048, i=768) == 1

@@ -138,6 +138,39 @@ def validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
         raise NotImplementedError("implementation='tokamax' takes unquantized weights only")
 
 
+# Where the tokens' f32 sums do not fit VMEM beside the fused MLP's tiles (``pallas.fused_moe_combines``), the
+# layer can run as layers over parts of its tokens that each combine in the kernel: no [T * k, H] result then
+# crosses HBM, and XLA's unsort gather and top-k sum go (on v5e, with no SparseCore to offload the gather to,
+# bound by its bundles: Gemma-4 26B-A4B at 8192 tokens, 1691.8 us for 738 MB). But every part fetches every
+# active expert's weights again, so the parts must keep the MXU busier than the HBM: MXU work per weight byte
+# at least the chip's flops per HBM byte (``pallas.waits_on_weights`` at PARTS_RIDGE). Measured with the cost
+# model at 8192 tokens (layer us, whole -> parts): v5e Gemma-4 (2 parts) 8465.8 -> 7070.4, GPT-OSS-20B (2)
+# 12697.1 -> 10751.6; parts forced where the rule keeps the layer whole: v6e Gemma-4 2719.8 -> 2624.3 (the one
+# gain it leaves), GPT-OSS 4136.0 -> 6087.0; TPU7x Qwen3-30B-A3B 1275.3 -> 1803.6, Gemma-4 1730.5 -> 2087.6.
+MAX_PARTS = 4
+PARTS_RIDGE = 1.0
+
+
+def combining_parts(t: int, k: int, e: int, h: int, i: int, tiling, *, in_dtype, w_dtype, chip=None, **layout):
+    """(parts, tiling_of) for a fused layer of ``t`` tokens at ``tiling``: 1 where it combines whole or no part
+    would pay (see MAX_PARTS); else the fewest parts up to MAX_PARTS whose fused MLP combines, and
+    tiling_of(tokens) their tiling."""
+    sizes = dict(in_dtype=in_dtype, out_dtype=in_dtype, w_dtype=w_dtype, chip=chip)
+
+    def tiling_of(n):
+        return pallas.fused_moe_tiling(n * k, h, i, groups=e, **sizes, **layout)
+    if pallas.fused_moe_combines(t, h, i, tiling, **sizes):
+        return 1, tiling_of
+    for parts in range(2, MAX_PARTS + 1):
+        n = -(-t // parts)
+        if pallas.waits_on_weights(n * k, e, w_dtype, chip, ridge=PARTS_RIDGE):
+            break
+        part = tiling_of(n)
+        if part is not None and pallas.fused_moe_combines(n, h, i, part, **sizes):
+            return parts, tiling_of
+    return 1, tiling_of
+
+
 def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax.Array, gate_up_proj: jax.Array,
             down_proj: jax.Array, gate_up_bias: jax.Array | None = None, down_bias: jax.Array | None = None,
             activation: str = "silu", alpha: float = 1.702, limit: float = 7.0, is_transposed: bool = False,
@@ -193,59 +226,76 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
                                  transposed=transposed, down_transposed=down_t, activation=activation, alpha=alpha,
                                  limit=limit, out_dtype=hidden_states.dtype, gate_up_scale=gate_up_scale,
                                  down_scale=down_scale)
-    # one sort gives the (token, k) rows in expert order and each sorted row's expert: the kernels take
-    # their work items from the latter (pallas.run_metadata), no group sizes needed
-    row_groups, order, tokens = pallas.sort_by_expert(top_k_index, e)
-    x = hidden_states.astype(wdt)[tokens]
     if quantized and pallas.is_mxfp4(gate_up_proj) and not is_transposed:  # the kernel reads [E, in/2, out]
         gate_up_proj, down_proj, gate_up_scale, down_scale = (
             jnp.swapaxes(a, 1, 2) for a in (gate_up_proj, down_proj, gate_up_scale, down_scale))
         transposed = False
-    if implementation == "tokamax":
-        from . import tokamax_anchor
 
-        group_sizes = jnp.bincount(row_groups, length=e + 1)[:e].astype(jnp.int32)
+    def layer(top_k_index, top_k_weights, first, tiling):
+        """The output rows of tokens first .. first + len(top_k_index) (all of them: first = 0), the fused MLP at
+        ``tiling`` (None: two gmm calls)."""
+        t = top_k_index.shape[0]
+        fused = tiling is not None
+        # one sort gives the (token, k) rows in expert order and each sorted row's expert: the kernels take
+        # their work items from the latter (pallas.run_metadata), no group sizes needed
+        row_groups, order, tokens = pallas.sort_by_expert(top_k_index, e)
+        x = hidden_states.astype(wdt)[tokens + first if first else tokens]
+        if implementation == "tokamax":
+            from . import tokamax_anchor
 
-        hh = tokamax_anchor.ragged_dot(x, gate_up_proj, group_sizes, rhs_transposed=transposed, out_dtype=jnp.float32)
-        gate, up = jnp.split(hh, 2, axis=1)
-        inter = pallas._activate(gate, up, activation, alpha, limit).astype(wdt)
-        y = tokamax_anchor.ragged_dot(inter, down_proj, group_sizes, rhs_transposed=transposed, out_dtype=wdt)
-        valid = (jnp.arange(x.shape[0]) < group_sizes.sum())[:, None]
-        y = jnp.where(valid, y, 0)  # tokamax leaves rows past sum(group_sizes) uninitialised
-    elif fused:
-        tm, chunk, ti = tiling
-        # where it pays the kernel also unsorts, weights and sums each token's rows (``fused_moe_combines``),
-        # and gathers the rows' x from the tokens' rows in VMEM (``fused_moe_gathers``)
-        sizes = dict(in_dtype=wdt, out_dtype=wdt, w_dtype=gate_up_proj.dtype)
-        combine = pallas.fused_moe_combines(t, h, inter_size, tiling, **sizes)
-        gather = combine and pallas.fused_moe_gathers(t, h, inter_size, tiling, rows=t * k, groups=e, **sizes)
-        if combine:  # its items are windows of a group's rows
-            tm, chunk = pallas.fused_moe_windows(t * k, h, inter_size, tiling, groups=e, tokens=t, gather=gather,
-                                                 in_dtype=wdt, w_dtype=gate_up_proj.dtype)
-        y = pallas.fused_moe(hidden_states.astype(wdt) if gather else x, gate_up_proj, down, None,
-                             row_groups=row_groups, transposed=transposed, activation=activation,
-                             interleaved=interleaved, alpha=alpha, limit=limit, gate_up_bias=gate_up_bias,
-                             down_bias=down_bias, out_dtype=wdt, down_transposed=down_t,
-                             gate_up_scale=gate_up_scale, down_scale=down_scale, tm=tm, chunk=chunk, ti=ti,
-                             combine=(tokens, top_k_weights.reshape(-1)[order], t) if combine else None,
-                             gather=gather, sums_dtype=hidden_states.dtype)
-        if combine:  # no [T * k, H] result left the kernel
-            return y
-    else:  # experts too big for VMEM whole in a compute-bound layer (TILED_MOE_RIDGE, TILED_MXU_FILL), MXFP4: two gmm calls
-        inter = pallas.gmm(x, gate_up_proj, None, row_groups=row_groups, transposed=transposed, activation=activation,
-                           interleaved=interleaved, alpha=alpha, limit=limit, bias=gate_up_bias, out_dtype=wdt,
-                           rhs_scale=gate_up_scale)
-        y = pallas.gmm(inter, down_proj, None, row_groups=row_groups, transposed=transposed, bias=down_bias,
-                       out_dtype=wdt, rhs_scale=down_scale)
-    # unsort by gathering each (token, k) row back, weight in the promoted dtype (as grouped_mm),
-    # sum over k in f32: one XLA fusion reading y once, no [S, H] temporary. The rows come back k-major,
-    # [k, T, H]: splitting the leading dim keeps TPU's (8, 128) tiling, where [T, k, H] with k < 8 (GPT-OSS:
-    # 4) is a relayout XLA materializes in f32 (at 8192 tokens on v6e 345 us of a 4820 us layer).
-    inverse = jnp.argsort(order)  # a sort: a scatter of T*k indices is far slower on TPU (257 against 24 us at 64k)
-    prod = jnp.promote_types(y.dtype, top_k_weights.dtype)
-    rows = y[inverse.reshape(t, k).T.reshape(-1)].reshape(k, t, h).astype(prod)
-    out = (rows * top_k_weights.T[:, :, None].astype(prod)).astype(jnp.float32).sum(axis=0)
-    return out.astype(hidden_states.dtype)
+            group_sizes = jnp.bincount(row_groups, length=e + 1)[:e].astype(jnp.int32)
+
+            hh = tokamax_anchor.ragged_dot(x, gate_up_proj, group_sizes, rhs_transposed=transposed,
+                                           out_dtype=jnp.float32)
+            gate, up = jnp.split(hh, 2, axis=1)
+            inter = pallas._activate(gate, up, activation, alpha, limit).astype(wdt)
+            y = tokamax_anchor.ragged_dot(inter, down_proj, group_sizes, rhs_transposed=transposed, out_dtype=wdt)
+            valid = (jnp.arange(x.shape[0]) < group_sizes.sum())[:, None]
+            y = jnp.where(valid, y, 0)  # tokamax leaves rows past sum(group_sizes) uninitialised
+        elif fused:
+            tm, chunk, ti = tiling
+            # where it pays the kernel also unsorts, weights and sums each token's rows (``fused_moe_combines``),
+            # and gathers the rows' x from the tokens' rows in VMEM (``fused_moe_gathers``)
+            sizes = dict(in_dtype=wdt, out_dtype=wdt, w_dtype=gate_up_proj.dtype)
+            combine = pallas.fused_moe_combines(t, h, inter_size, tiling, **sizes)
+            gather = combine and pallas.fused_moe_gathers(t, h, inter_size, tiling, rows=t * k, groups=e, **sizes)
+            if combine:  # its items are windows of a group's rows
+                tm, chunk = pallas.fused_moe_windows(t * k, h, inter_size, tiling, groups=e, tokens=t, gather=gather,
+                                                     in_dtype=wdt, w_dtype=gate_up_proj.dtype)
+            y = pallas.fused_moe(hidden_states[first:first + t].astype(wdt) if gather else x, gate_up_proj, down, None,
+                                 row_groups=row_groups, transposed=transposed, activation=activation,
+                                 interleaved=interleaved, alpha=alpha, limit=limit, gate_up_bias=gate_up_bias,
+                                 down_bias=down_bias, out_dtype=wdt, down_transposed=down_t,
+                                 gate_up_scale=gate_up_scale, down_scale=down_scale, tm=tm, chunk=chunk, ti=ti,
+                                 combine=(tokens, top_k_weights.reshape(-1)[order], t) if combine else None,
+                                 gather=gather, sums_dtype=hidden_states.dtype)
+            if combine:  # no [T * k, H] result left the kernel
+                return y
+        else:  # experts too big for VMEM whole in a compute-bound layer (TILED_MOE_RIDGE, TILED_MXU_FILL), MXFP4:
+            # two gmm calls
+            inter = pallas.gmm(x, gate_up_proj, None, row_groups=row_groups, transposed=transposed,
+                               activation=activation, interleaved=interleaved, alpha=alpha, limit=limit,
+                               bias=gate_up_bias, out_dtype=wdt, rhs_scale=gate_up_scale)
+            y = pallas.gmm(inter, down_proj, None, row_groups=row_groups, transposed=transposed, bias=down_bias,
+                           out_dtype=wdt, rhs_scale=down_scale)
+        # unsort by gathering each (token, k) row back, weight in the promoted dtype (as grouped_mm),
+        # sum over k in f32: one XLA fusion reading y once, no [S, H] temporary. The rows come back k-major,
+        # [k, T, H]: splitting the leading dim keeps TPU's (8, 128) tiling, where [T, k, H] with k < 8 (GPT-OSS:
+        # 4) is a relayout XLA materializes in f32 (at 8192 tokens on v6e 345 us of a 4820 us layer).
+        inverse = jnp.argsort(order)  # a sort: a scatter of T*k indices is far slower on TPU (257 against 24 us at 64k)
+        prod = jnp.promote_types(y.dtype, top_k_weights.dtype)
+        rows = y[inverse.reshape(t, k).T.reshape(-1)].reshape(k, t, h).astype(prod)
+        out = (rows * top_k_weights.T[:, :, None].astype(prod)).astype(jnp.float32).sum(axis=0)
+        return out.astype(hidden_states.dtype)
+
+    if fused and implementation == "pallas":
+        parts, part_tiling = combining_parts(t, k, e, h, inter_size, tiling, in_dtype=wdt, w_dtype=gate_up_proj.dtype,
+                                             transposed=transposed, interleaved=interleaved, down_transposed=down_t)
+        if parts > 1:  # a layer of its own for each part of the tokens, which combines in the kernel
+            n = -(-t // parts)
+            return jnp.concatenate([layer(top_k_index[a:a + n], top_k_weights[a:a + n], a, part_tiling(min(n, t - a)))
+                                    for a in range(0, t, n)])
+    return layer(top_k_index, top_k_weights, 0, tiling)
 
 
 def _fake(hidden_states, *args, **kwargs):
