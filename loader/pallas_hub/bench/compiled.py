@@ -189,11 +189,11 @@ def entry_ops(hlo: str) -> list[dict]:
             hbm = out + sum(min(b, out) for b in ins)
         else:
             hbm = out + sum(ins)
+        kernel = opcode == "custom-call" and bool(target) and target.group(1) == "tpu_custom_call"
         # a kernel's text without any name: identical calls (the same kernel on other operands) share one
         # compiled program, and the LLO dump holds it under the first one's name only
-        same = re.sub(r"%[\w.\-]+", "%", type_text + rest) if opcode == "custom-call" else None
-        ops.append({"name": name, "opcode": opcode, "root": root, "hbm_bytes": hbm, "same": same,
-                    "kernel": opcode == "custom-call" and bool(target) and target.group(1) == "tpu_custom_call",
+        same = re.sub(r"%[\w.\-]+", "%", type_text + rest) if kernel else None
+        ops.append({"name": name, "opcode": opcode, "root": root, "hbm_bytes": hbm, "same": same, "kernel": kernel,
                     "offloaded": 'async_execution_thread="sparsecore"' in text, "free": opcode in _FREE})
     return ops
 
