@@ -274,7 +274,8 @@ def test_a_layer_whose_sums_do_not_fit_combines_in_parts(kern, monkeypatch, gath
 def test_layers_combine_in_parts_only_where_the_parts_pay(kern):
     """Gemma-4 26B-A4B at 8192 tokens: its sums fit no chip's VMEM whole. On v5e two parts combine, each
     still compute-bound with the experts' weights fetched once a part; on v6e and TPU7x parts would wait on
-    those fetches, and the layer stays whole (XLA combines). Qwen3-30B-A3B at 8192 tokens combines whole on v6e."""
+    those fetches, and the layer stays whole (on v6e the kernel sums the columns whose sums fit, XLA the rest;
+    on TPU7x XLA all). Qwen3-30B-A3B at 8192 tokens combines whole on v6e."""
     P, E = kern.pallas, kern.experts
     bf = "bfloat16"
 
@@ -287,3 +288,57 @@ def test_layers_combine_in_parts_only_where_the_parts_pay(kern):
         return n
     assert [parts(c) for c in ("v5e", "v6e", "tpu7x")] == [2, 1, 1]
     assert parts("v6e", h=2048, i=768) == 1
+
+    def sum_cols(chip, t=8192, k=8, e=128, h=2816, i=704):
+        layout = dict(transposed=True, interleaved=False, down_transposed=i % 128 == 0)
+        tiling = P.fused_moe_tiling(t * k, h, i, in_dtype=bf, out_dtype=bf, w_dtype=bf, groups=e, chip=chip, **layout)
+        return P.fused_moe_sum_cols(t, h, i, tiling, rows=t * k, groups=e, in_dtype=bf, out_dtype=bf, w_dtype=bf,
+                                    chip=chip)
+    # kept whole, the layer sums what fits: on v6e, which waits on the weights, 2048 of Gemma-4's 2816 columns;
+    # TPU7x's compute-bound layer leaves them all to XLA; Qwen3's sums fit whole
+    assert [sum_cols("v6e"), sum_cols("tpu7x"), sum_cols("v6e", h=2048, i=768)] == [2048, 0, 2048]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_layer_whose_sums_fit_in_some_columns_sums_those_in_the_kernel(kern, monkeypatch, dtype):
+    """Where only some columns' f32 sums fit VMEM (``pallas.fused_moe_sum_cols``), the kernel sums those and
+    its rows' other columns go through XLA's unsort and top-k sum; here 128 and 256 of 384 columns, in windows
+    of a group's rows (so a window's first chunk reads back rows of the groups before it), with tokens routed
+    to expert-parallel sentinels (rows of no group, which the kernel never writes: NaN in the strict
+    interpreter) and an empty expert. Against the layer summed whole in the kernel, bit for bit, and grouped_mm."""
+    import jax.numpy as jnp
+    from pallas_hub.verify import interpret
+
+    P = kern.pallas
+    mod = _qwen3_experts(kern, hidden=384, intermediate=64)
+    x = torch.randn(100, 384)
+    idx, w = _routing(100, 8, 2, seed=13)
+    idx[idx == 5] = 7  # expert 5 gets no rows
+    idx[::9, 1] = 8  # an expert-parallel sentinel: never computed, contributes zero
+    jdt = getattr(jnp, dtype)
+    args = [jnp.asarray(x.numpy()).astype(jdt), jnp.asarray(idx.numpy()), jnp.asarray(w.numpy()),
+            *(jnp.asarray(p.detach().numpy()).astype(jdt) for p in (mod.gate_up_proj, mod.down_proj))]
+    real_tiling, real_fused = P.fused_moe_tiling, P.fused_moe
+    monkeypatch.setattr(P, "fused_moe_tiling", lambda m, h, i, **kw: (64, 32, i))  # 200 rows in windows of <= 64
+    monkeypatch.setattr(P, "fused_moe_gathers", lambda *a, **kw: False)
+    with interpret("strict"):
+        whole = kern.experts.experts(*args)
+    calls = []
+
+    def fused(*a, sum_cols=None, **kw):
+        calls.append((sum_cols, kw["tm"], kw["combine"] is not None))
+        return real_fused(*a, sum_cols=sum_cols, **kw)
+    monkeypatch.setattr(P, "fused_moe", fused)
+    for cols in (128, 256):
+        monkeypatch.setattr(P, "fused_moe_sum_cols", lambda *a, cols=cols, **kw: cols)
+        with interpret("strict"):
+            split = kern.experts.experts(*args)
+        assert calls[-1][0] == cols and calls[-1][2] and calls[-1][1] < 200  # windows: items of a group's rows
+        assert bool(jnp.all(split == whole)), float(jnp.max(jnp.abs(split.astype(float) - whole.astype(float))))
+    sentinel = idx == 8  # grouped_mm's equivalent: any expert at weight 0
+    with torch.no_grad():
+        reference = ALL_EXPERTS_FUNCTIONS["grouped_mm"](mod.to(getattr(torch, dtype)), x.to(getattr(torch, dtype)),
+                                                        idx.masked_fill(sentinel, 0), w.masked_fill(sentinel, 0))
+    rtol, atol = (1e-5, 1e-5) if dtype == "float32" else (2e-2, 5e-2)  # bf16: an ulp of outputs up to 8
+    torch.testing.assert_close(torch.from_numpy(np.array(split.astype(jnp.float32))), reference.float(), rtol=rtol,
+                               atol=atol)

@@ -235,7 +235,7 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
         """The output rows of tokens first .. first + len(top_k_index) (all of them: first = 0), the fused MLP at
         ``tiling`` (None: two gmm calls)."""
         t = top_k_index.shape[0]
-        fused = tiling is not None
+        fused, sum_cols = tiling is not None, None
         # one sort gives the (token, k) rows in expert order and each sorted row's expert: the kernels take
         # their work items from the latter (pallas.run_metadata), no group sizes needed
         row_groups, order, tokens = pallas.sort_by_expert(top_k_index, e)
@@ -254,23 +254,27 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
             y = jnp.where(valid, y, 0)  # tokamax leaves rows past sum(group_sizes) uninitialised
         elif fused:
             tm, chunk, ti = tiling
-            # where it pays the kernel also unsorts, weights and sums each token's rows (``fused_moe_combines``),
-            # and gathers the rows' x from the tokens' rows in VMEM (``fused_moe_gathers``)
+            # where it pays the kernel also unsorts, weights and sums each token's rows
+            # (``fused_moe_combines``; where only some columns' sums fit VMEM, those: ``fused_moe_sum_cols``), and
+            # gathers the rows' x from the tokens' rows in VMEM (``fused_moe_gathers``)
             sizes = dict(in_dtype=wdt, out_dtype=wdt, w_dtype=gate_up_proj.dtype)
-            combine = pallas.fused_moe_combines(t, h, inter_size, tiling, **sizes)
-            gather = combine and pallas.fused_moe_gathers(t, h, inter_size, tiling, rows=t * k, groups=e, **sizes)
+            cols = pallas.fused_moe_sum_cols(t, h, inter_size, tiling, rows=t * k, groups=e, **sizes)
+            combine, sum_cols = cols > 0, cols if 0 < cols < h else None
+            gather = cols == h and pallas.fused_moe_gathers(t, h, inter_size, tiling, rows=t * k, groups=e, **sizes)
             if combine:  # its items are windows of a group's rows
                 tm, chunk = pallas.fused_moe_windows(t * k, h, inter_size, tiling, groups=e, tokens=t, gather=gather,
-                                                     in_dtype=wdt, w_dtype=gate_up_proj.dtype)
+                                                     in_dtype=wdt, w_dtype=gate_up_proj.dtype, sum_cols=sum_cols)
             y = pallas.fused_moe(hidden_states[first:first + t].astype(wdt) if gather else x, gate_up_proj, down, None,
                                  row_groups=row_groups, transposed=transposed, activation=activation,
                                  interleaved=interleaved, alpha=alpha, limit=limit, gate_up_bias=gate_up_bias,
                                  down_bias=down_bias, out_dtype=wdt, down_transposed=down_t,
                                  gate_up_scale=gate_up_scale, down_scale=down_scale, tm=tm, chunk=chunk, ti=ti,
                                  combine=(tokens, top_k_weights.reshape(-1)[order], t) if combine else None,
-                                 gather=gather, sums_dtype=hidden_states.dtype)
-            if combine:  # no [T * k, H] result left the kernel
+                                 gather=gather, sums_dtype=hidden_states.dtype, sum_cols=sum_cols)
+            if combine and sum_cols is None:  # no [T * k, H] result left the kernel
                 return y
+            if combine:  # the sums of the first sum_cols columns, and the rows' others (rows of no group: garbage)
+                sums, y = y
         else:  # experts too big for VMEM whole in a compute-bound layer (TILED_MOE_RIDGE, TILED_MXU_FILL), MXFP4:
             # two gmm calls
             inter = pallas.gmm(x, gate_up_proj, None, row_groups=row_groups, transposed=transposed,
@@ -284,9 +288,13 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
         # 4) is a relayout XLA materializes in f32 (at 8192 tokens on v6e 345 us of a 4820 us layer).
         inverse = jnp.argsort(order)  # a sort: a scatter of T*k indices is far slower on TPU (257 against 24 us at 64k)
         prod = jnp.promote_types(y.dtype, top_k_weights.dtype)
-        rows = y[inverse.reshape(t, k).T.reshape(-1)].reshape(k, t, h).astype(prod)
+        picked = inverse.reshape(t, k).T.reshape(-1)
+        rows = y[picked].reshape(k, t, y.shape[1]).astype(prod)
+        if sum_cols is not None:
+            rows = jnp.where((row_groups[picked] < e).reshape(k, t, 1), rows, 0)
         out = (rows * top_k_weights.T[:, :, None].astype(prod)).astype(jnp.float32).sum(axis=0)
-        return out.astype(hidden_states.dtype)
+        out = out.astype(hidden_states.dtype)
+        return out if sum_cols is None else jnp.concatenate([sums, out], axis=1)
 
     if fused and implementation == "pallas":
         parts, part_tiling = combining_parts(t, k, e, h, inter_size, tiling, in_dtype=wdt, w_dtype=gate_up_proj.dtype,

@@ -1071,9 +1071,13 @@ def reference(lhs, rhs, group_sizes, rhs_transposed=False, out_dtype=None):
 
 def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, tm, chunk, num_groups,
                 transposed, down_transposed, activation, interleaved, alpha, limit, has_bias, quant, i_tiles,
-                combine, gather, windows, last_window, mxu_deinterleave, straight_adds):
+                combine, gather, windows, last_window, mxu_deinterleave, straight_adds, sum_cols=None):
     del fetch_tile
     smem_weights = gather and windows
+    if sum_cols is not None:  # the rows' other columns: two buffers of an item's rows on their way to rest_ref, a
+        # native tile of rows read back, their DMAs' semaphores, (SMEM) the next buffer and whether the other's
+        # DMA is in flight
+        refs, (rbuf, lead, rsem, rflag) = refs[:-4], refs[-4:]
     if combine is not None:  # each row's token (scalar-prefetched) and routing weight: the item's rows' block
         # as x's, or (gathered windows) all rows' as f32 bits, scalar-prefetched too; a chunk of weighted rows
         # (``straight_adds``: two, and the pending one's (slot, first row, rows [lo, hi) of it) in SMEM); the
@@ -1107,12 +1111,14 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
     # each slab's value as the MXU takes it: read from VMEM, or (quantized) dequantized to x's dtype
     weights, down = [lambda w=w: w[...] for w in w_refs], lambda: d_ref[...]  # noqa: E731
     mxu_dtype = d_ref.dtype if quant is None else x_ref.dtype
+    n_out = 1 if sum_cols is None else 2  # the sums' columns [0, sum_cols) and (rest_ref) the rows' others
     if quant is None:
-        out_ref = refs[-1]
+        out_ref, rest_ref = refs[-n_out], refs[-1]
     else:
         channel, up_start, e4m3, in_dots = quant
         n_scratch = 0 if in_dots else 3
-        gs_ref, ds_ref, out_ref = refs[len(refs) - 3 - n_scratch:len(refs) - n_scratch]
+        gs_ref, ds_ref, out_ref = refs[len(refs) - 2 - n_out - n_scratch:len(refs) - n_out + 1 - n_scratch]
+        rest_ref = refs[len(refs) - 1 - n_scratch]
         slabs = [(w, None if channel else gs_ref, dict(block0=b0, row_off=off, e4m3=e4m3))
                  for w, (b0, off) in zip(w_refs, [(0, 0), up_start])] + [(d_ref, None if channel else ds_ref, dict(e4m3=e4m3))]
         if in_dots:  # dequantized inside each chunk's dots: one block of code the scheduler interleaves
@@ -1142,6 +1148,8 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
         def _zero_sums():  # a loop: the code of a branch taken once stays short
             if straight_adds:
                 pend[0], pend[1], pend[2], pend[3] = 0, 0, 0, 0
+            if sum_cols is not None:
+                rflag[0], rflag[1] = 0, 0
             def zero(b, carry):
                 sums[pl.ds(pl.multiple_of(b * 8, 8), 8), :] = jnp.zeros((8, sums.shape[1]), sums.dtype)
                 return carry
@@ -1224,6 +1232,37 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
                     four(r0)
             else:
                 lax.fori_loop(0, lax.div(hi - lo + ADD_ROWS - 1, ADD_ROWS), lambda n, c: (four(lo + n * ADD_ROWS), c)[1], 0)
+        def rest_copy(slot, base):
+            return pltpu.make_async_copy(rbuf.at[slot], rest_ref.at[pl.ds(pl.multiple_of(base, sub), span)],
+                                         rsem.at[slot])
+
+        def send_rest(start):
+            """The item's rows' columns past sum_cols (``finish`` left them in rbuf) into rest_ref by a DMA that runs
+            during the next item. The window's rows before ``start``, of earlier items, are read back first, once
+            the DMA before has landed: one in flight at a time, in the items' order, so the rows past the item's
+            that go too (a later item's) are written again after."""
+            slot = rflag[0]
+
+            @pl.when(rflag[1] == 1)
+            def _wait():
+                rest_copy(1 - slot, 0).wait()
+            lo = jnp.clip(start - row0, 0, span)
+
+            def read_back(n):  # rows [0, lo) of native tile n of the window
+                copy = pltpu.make_async_copy(rest_ref.at[pl.ds(pl.multiple_of(row0 + n * sub, sub), sub)], lead,
+                                             rsem.at[2])
+                copy.start()
+                copy.wait()
+                r = pl.multiple_of(n * sub, sub)
+                earlier = lax.broadcasted_iota(jnp.int32, lead.shape, 0) + r < lo
+                rbuf[slot, pl.ds(r, sub), :] = jnp.where(earlier, lead[...], rbuf[slot, pl.ds(r, sub), :])
+
+            @pl.when(lo > 0)
+            def _lead():  # a group's first window: its start's native tile (in a loop, the DMA would make the
+                read_back(0)  # cost model charge its trip as a step of its own)
+            lax.fori_loop(1, lax.div(lo + sub - 1, sub), lambda n, c: (read_back(n), c)[1], 0)  # windows pulled back
+            rest_copy(slot, row0).start()
+            rflag[0], rflag[1] = 1 - slot, 1
     else:
         @pl.when(jnp.logical_and(first, j == 0))
         def _zero():  # the tile's rows no group of its items writes stay zero
@@ -1239,6 +1278,9 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
             if has_bias:
                 y = y + db_ref[...].astype(jnp.float32)
             if combine is not None:
+                if sum_cols is not None:
+                    rbuf[rflag[0], pl.ds(r0, chunk), :] = y[:, sum_cols:].astype(rbuf.dtype)
+                    y = y[:, :sum_cols]
                 return add_rows(y, r0, new, start, end)
             rows = pl.ds(r0, chunk)
             r = row0 + r0 + lax.broadcasted_iota(jnp.int32, y.shape, 0)
@@ -1279,6 +1321,10 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
 
         _for_group_rows(jnp.clip(start - row0, 0, span), jnp.clip(end - row0, 0, span), tm=span, chunk=chunk,
                         sub=sub, body=chunk_rows, fresh=True)
+        if sum_cols is not None:
+            @pl.when(j == i_tiles - 1)
+            def _rest():
+                send_rest(start)
 
     if combine is not None:
         last = jnp.logical_and(i == pl.num_programs(0) - 1, j == pl.num_programs(1) - 1)
@@ -1316,6 +1362,10 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
         def _sent():
             for b in range(max(blocks - 2, 0), blocks):
                 dma(b, b % 2).wait()
+            if sum_cols is not None:
+                @pl.when(rflag[1] == 1)
+                def _rest():
+                    rest_copy(1 - rflag[0], 0).wait()
 
 
 def moe_vmem_bytes(tm, chunk, h, i, in_bytes, out_bytes, w_bytes=None, ti=None):
@@ -1494,6 +1544,35 @@ def fused_moe_combines(tokens: int, h: int, i: int, tiling, *, in_dtype, out_dty
     return need <= COMBINE_VMEM * _chip(chip).vmem_bytes
 
 
+# Where the tokens' f32 sums do not fit VMEM whole, the kernel can sum the columns whose sums fit, and leave only
+# the rows' other columns to XLA's unsort and top-k sum: where the layer waits on its weights (``waits_on_weights``
+# at SUM_COLS_RIDGE), whose DMA hides the adds. Measured with the cost model (layer us, XLA's combine -> some
+# columns in the kernel): Gemma-4 26B-A4B at 8192 tokens on v6e (2048 of 2816 columns) 2719.8 -> 2080.7; where
+# the layer is compute-bound the adds cost more than XLA's share saves, or the windows' chunks repeat rows:
+# GPT-OSS-20B on v6e (1280 of 2880) 4136.0 -> 4296.9, Gemma-4 on TPU7x (512 of 2816, 256-row windows) 1730.5
+# -> 2080.9; Qwen3-30B-A3B on TPU7x (640 of 2048) gained 1275.3 -> 1212.0, a gain the rule leaves.
+SUM_COLS_RIDGE = 1.0
+
+
+def fused_moe_sum_cols(tokens: int, h: int, i: int, tiling, *, rows: int, groups: int, in_dtype, out_dtype,
+                       w_dtype=None, chip=None) -> int:
+    """How many of the rows' h columns the fused MLP at ``tiling`` sums into its ``tokens`` outputs
+    (``fused_moe(sum_cols=...)``): all where the sums fit VMEM (``fused_moe_combines``); else, where the
+    ``rows`` wait on the weights (SUM_COLS_RIDGE), the most multiples of 128 whose sums fit, the rows'
+    other columns left for XLA's unsort and top-k sum; else 0."""
+    if fused_moe_combines(tokens, h, i, tiling, in_dtype=in_dtype, out_dtype=out_dtype, w_dtype=w_dtype, chip=chip):
+        return h
+    if not waits_on_weights(rows, groups, w_dtype or in_dtype, chip, ridge=SUM_COLS_RIDGE):
+        return 0
+    tm, chunk, ti = tiling
+    for cols in range((h - 1) // 128 * 128, 0, -128):
+        need = combining_vmem_bytes(tokens, h, i, tm, chunk, ti, jnp.dtype(in_dtype).itemsize,
+                                    jnp.dtype(w_dtype or in_dtype).itemsize, sum_cols=cols)
+        if need <= COMBINE_VMEM * _chip(chip).vmem_bytes:
+            return cols
+    return 0
+
+
 def straight_adds(m: int, groups: int, chunk: int) -> bool:
     """Whether a combining fused MLP adds a chunk's rows during the next chunk's dots (see ADD_ROWS)."""
     return 4 * -(-m // groups) >= 3 * chunk
@@ -1519,12 +1598,15 @@ def combine_vmem_bytes(tokens: int, h: int, chunk: int, straight: bool = True, o
 
 
 def combining_vmem_bytes(tokens: int, h: int, i: int, tm: int, chunk: int, ti: int, in_bytes: int, w_bytes: int,
-                         *, x_rows: int | None = None, gather: bool = False, straight: bool = True) -> int:
+                         *, x_rows: int | None = None, gather: bool = False, straight: bool = True,
+                         sum_cols: int | None = None) -> int:
     """A combining fused MLP's VMEM: its tiles (x's blocks of ``x_rows``, tm by default; no output tiles,
-    the sums instead), the tokens' sums (``combine_vmem_bytes``, the result in x's dtype) and (``gather``) the
-    tokens' rows."""
+    the sums instead), the tokens' sums (``combine_vmem_bytes``, the result in x's dtype; ``sum_cols`` of the
+    columns, and two blocks of the rows' others on their way out) and (``gather``) the tokens' rows."""
+    hs = sum_cols or h
     return (moe_vmem_bytes(x_rows or tm, chunk, h, i, in_bytes, 0, w_bytes, ti)
-            + combine_vmem_bytes(tokens, h, chunk, straight, in_bytes)
+            + combine_vmem_bytes(tokens, hs, chunk, straight, in_bytes)
+            + (2 * (x_rows or tm) + 16) * (h - hs) * in_bytes
             + (gather_vmem_bytes(tokens, h, tm, chunk, in_bytes, i_tiled=ti < i) if gather else 0))
 
 
@@ -1573,7 +1655,7 @@ WINDOW_CHUNK_ROWS = 320
 
 
 def fused_moe_windows(m: int, h: int, i: int, tiling, *, groups: int, tokens: int, in_dtype, w_dtype=None,
-                      gather: bool = False, chip=None) -> tuple[int, int]:
+                      gather: bool = False, chip=None, sum_cols: int | None = None) -> tuple[int, int]:
     """(tm, chunk) for a combining fused MLP (``fused_moe_combines``) at ``tiling``, its items windows of a
     group's rows (``WINDOW_SLACK``, ``WINDOW_CHUNK_ROWS``; gathering rows of short groups, the tiling's
     window), where they fit VMEM; else the tiling's."""
@@ -1589,14 +1671,14 @@ def fused_moe_windows(m: int, h: int, i: int, tiling, *, groups: int, tokens: in
         tm = max(chunk, min(tm, _round_up(int(WINDOW_SLACK * avg), sub)))
     need = combining_vmem_bytes(tokens, h, i, tm, chunk, ti, jnp.dtype(in_dtype).itemsize,
                                 jnp.dtype(w_dtype or in_dtype).itemsize, x_rows=tm if gather else tm + sub,
-                                gather=gather, straight=straight_adds(m, groups, chunk))
+                                gather=gather, straight=straight_adds(m, groups, chunk), sum_cols=sum_cols)
     return (tm, chunk) if need <= COMBINE_VMEM * spec.vmem_bytes else tiling[:2]
 
 
 def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="silu", interleaved=False,
               alpha=1.702, limit=7.0, gate_up_bias=None, down_bias=None, out_dtype=None, tm=None, chunk=None,
               chip=None, down_transposed=None, gate_up_scale=None, down_scale=None, in_dots=None, row_groups=None,
-              ti=None, combine=None, gather=False, mxu_deinterleave=None, sums_dtype=None):
+              ti=None, combine=None, gather=False, mxu_deinterleave=None, sums_dtype=None, sum_cols=None):
     """down(act(x @ gate) * (x @ up)) per group in ONE kernel: the intermediate never leaves VMEM.
 
     x [m, H] (rows sorted by group), gate_up [g, 2I, H] / down [g, H, I] (``transposed``, the
@@ -1617,7 +1699,10 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     over the rows r of a group with row_token[r] = t, rounded once. The items are then windows of up to tm rows
     of a group (``run_metadata(windows=...)``; ``fused_moe_windows`` sizes them), x's rows fetched from
     each window's first native tile. ``gather`` (with combine; ``fused_moe_gathers``): x is the tokens'
-    rows [T, H], row r's x is x[row_token[r]], copied in the kernel. ``mxu_deinterleave``: as ``gmm``'s.
+    rows [T, H], row r's x is x[row_token[r]], copied in the kernel. ``sum_cols`` (with combine, not gather; a
+    multiple of 128 below H; ``fused_moe_sum_cols``): only the rows' first sum_cols columns are summed, the
+    rest leave as rows: returns ([T, sum_cols] sums, [m', H - sum_cols] rows, m' >= m; rows of no group hold
+    garbage). ``mxu_deinterleave``: as ``gmm``'s.
     """
     down_transposed = transposed if down_transposed is None else down_transposed
     m, h = x.shape
@@ -1625,6 +1710,9 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
         if combine is None:
             raise ValueError("fused_moe: gather=True needs combine (each row's token)")
         m = combine[0].shape[0]
+    if sum_cols is not None and (combine is None or gather or sum_cols % 128 or not 0 < sum_cols < h):
+        raise ValueError(f"fused_moe: sum_cols={sum_cols} needs combine without gather and must be a multiple of "
+                         f"128 in (0, {h})")
     g = gate_up.shape[0]
     i = (gate_up.shape[1] if transposed else gate_up.shape[2]) // 2
     out_dtype = jnp.dtype(out_dtype or x.dtype)
@@ -1704,7 +1792,7 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     prefetch = [bounds, item_group, item_tile, fetch_group, fetch_tile]
     stage_rows = min(GATHER_STAGE_ROWS, _round_up(x.shape[0], sub))
     out_shape, out_spec = (m, h), pl.BlockSpec((tm, h), lambda it, j, off, ig, itl, fg, ft, *_: (itl[it], 0))
-    comb, out_bytes = None, m * h * out_dtype.itemsize
+    comb, out_bytes, straight = None, m * h * out_dtype.itemsize, False
     need = moe_vmem_bytes(tm, chunk, h, i, x.dtype.itemsize, out_dtype.itemsize, gate_up.dtype.itemsize, ti)
     if combine is not None:
         row_token, row_weight, num_tokens = combine
@@ -1725,10 +1813,12 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
         # the sums in whole sublane tiles of the result's dtype, a trash row
         out_rows, rows = _sums_rows(num_tokens, out_dtype)
         out_shape, out_spec = (out_rows, h), pl.BlockSpec(memory_space=pl.ANY)  # written by the kernel's DMAs
-        scratch += [pltpu.VMEM((2 if straight else 1, chunk + ADD_ROWS, h), jnp.float32)]
+        scratch += [pltpu.VMEM((2 if straight else 1, chunk + ADD_ROWS, sum_cols or h), jnp.float32)]
         out_bytes = out_rows * h * out_dtype.itemsize
         need = combining_vmem_bytes(num_tokens, h, i, tm, chunk, ti, x.dtype.itemsize, gate_up.dtype.itemsize,
-                                    x_rows=tm if last_window is None else tm + sub, gather=gather, straight=straight)
+                                    x_rows=tm if last_window is None else tm + sub, gather=gather, straight=straight,
+                                    sum_cols=sum_cols)
+        hs = sum_cols or h
         if gather:
             scratch += [pltpu.VMEM(x.shape, jnp.float32), pltpu.VMEM((chunk + ADD_ROWS, h), jnp.float32),
                         pltpu.VMEM((stage_rows, h), x.dtype), pltpu.SemaphoreType.DMA(())]
@@ -1736,22 +1826,31 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
             scratch += [pltpu.VMEM((chunk + ADD_ROWS, 128), jnp.float32)]
         if straight:
             scratch += [pltpu.SMEM((4,), jnp.int32)]
-        room = (int(COMBINE_VMEM * _chip(chip).vmem_bytes) - need) // (2 * h * out_dtype.itemsize) + WRITE_ROWS
+        room = (int(COMBINE_VMEM * _chip(chip).vmem_bytes) - need) // (2 * hs * out_dtype.itemsize) + WRITE_ROWS
         block = _write_block(out_rows, min(max(room, WRITE_ROWS), MAX_WRITE_ROWS), _sublanes(out_dtype))
-        need += 2 * max(block - WRITE_ROWS, 0) * h * out_dtype.itemsize
-        scratch += [pltpu.VMEM((rows, h), jnp.float32), pltpu.VMEM((2, block, h), out_dtype),
+        need += 2 * max(block - WRITE_ROWS, 0) * hs * out_dtype.itemsize
+        scratch += [pltpu.VMEM((rows, hs), jnp.float32), pltpu.VMEM((2, block, hs), out_dtype),
                     pltpu.SemaphoreType.DMA((2,))]
+        if sum_cols:  # the rows' other columns, in rows a window's chunks may reach (past m: garbage)
+            rest_rows = _round_up(m + tm + sub, sub) if windows else -(-m // tm) * tm
+            out_shape = [(out_shape[0], hs), (rest_rows, h - hs)]
+            out_spec = [out_spec, pl.BlockSpec(memory_space=pl.ANY)]
+            out_bytes = out_rows * hs * out_dtype.itemsize + m * (h - hs) * comb[0].itemsize
+            scratch += [pltpu.VMEM((2, tm + sub if windows else tm, h - hs), comb[0]),
+                        pltpu.VMEM((sub, h - hs), comb[0]), pltpu.SemaphoreType.DMA((3,)), pltpu.SMEM((2,), jnp.int32)]
     need += 2 * 4 * (gate_up_scale.size + down_scale.size) if quant and quant.channel else 0
     kernel = functools.partial(_moe_kernel, tm=tm, chunk=chunk, num_groups=g, transposed=transposed,
                                down_transposed=down_transposed,
                                activation=activation, interleaved=interleaved, alpha=float(alpha),
                                limit=float(limit), has_bias=gate_up_bias is not None, quant=quant, i_tiles=nt,
                                combine=comb, gather=gather, windows=bool(windows), last_window=last_window,
-                               straight_adds=combine is not None and straight,
+                               straight_adds=straight, sum_cols=sum_cols,
                                mxu_deinterleave=_split_on_mxu(interleaved, m, g, chip, mxu_deinterleave))
+    out_shapes = ([jax.ShapeDtypeStruct(out_shape[0], out_dtype), jax.ShapeDtypeStruct(out_shape[1], comb[0])]
+                  if sum_cols else jax.ShapeDtypeStruct(out_shape, out_dtype))
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
+        out_shape=out_shapes,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(prefetch), grid=(num_items, nt), in_specs=in_specs, out_specs=out_spec,
             scratch_shapes=scratch),
@@ -1763,6 +1862,8 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
                                       + out_bytes),
         name="ragged_dot_fused_moe",
     )(*prefetch, *operands)
+    if sum_cols:
+        return out[0][:combine[2]], out[1]
     return out if combine is None else out[:combine[2]]  # no copy where T fills whole sublane tiles
 
 
