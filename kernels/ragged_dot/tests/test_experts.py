@@ -289,14 +289,19 @@ def test_layers_combine_in_parts_only_where_the_parts_pay(kern):
     assert [parts(c) for c in ("v5e", "v6e", "tpu7x")] == [2, 1, 1]
     assert parts("v6e", h=2048, i=768) == 1
 
-    def sum_cols(chip, t=8192, k=8, e=128, h=2816, i=704):
-        layout = dict(transposed=True, interleaved=False, down_transposed=i % 128 == 0)
+    def sum_cols(chip, t=8192, k=8, e=128, h=2816, i=704, **layout):
+        layout = layout or dict(transposed=True, interleaved=False, down_transposed=i % 128 == 0)
         tiling = P.fused_moe_tiling(t * k, h, i, in_dtype=bf, out_dtype=bf, w_dtype=bf, groups=e, chip=chip, **layout)
         return P.fused_moe_sum_cols(t, h, i, tiling, rows=t * k, groups=e, in_dtype=bf, out_dtype=bf, w_dtype=bf,
                                     chip=chip)
-    # kept whole, the layer sums what fits: on v6e, which waits on the weights, 2048 of Gemma-4's 2816 columns;
-    # TPU7x's compute-bound layer leaves them all to XLA; Qwen3's sums fit whole
-    assert [sum_cols("v6e"), sum_cols("tpu7x"), sum_cols("v6e", h=2048, i=768)] == [2048, 0, 2048]
+    # kept whole, the layer sums the columns whose sums fit beside its windows: Gemma-4's 2048 of 2816 on v6e,
+    # 256 on TPU7x (whose VMEM is half v6e's); Qwen3's fit whole on v6e, 512 of 2048 on TPU7x; GPT-OSS-20B's
+    # 896 of 2880 on v6e, beside 1280-row windows (with its 1024-row tiles' windows 1280 would fit)
+    assert [sum_cols("v6e"), sum_cols("tpu7x")] == [2048, 256]
+    assert [sum_cols("v6e", h=2048, i=768), sum_cols("tpu7x", h=2048, i=768)] == [2048, 512]
+    assert sum_cols("v6e", k=4, e=32, h=2880, i=2880, transposed=False, interleaved=True, down_transposed=False) == 896
+    # a layer whose sums fit whole sums them all; one whose windows leave no room for 128 columns, none
+    assert sum_cols("v6e", t=2048) == 2816 and sum_cols("tpu7x", t=65536) == 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -676,15 +676,15 @@ def test_fused_moe_windows_fit_a_group_where_it_combines(load_kernel):
     """A combining fused MLP takes windows of a group's rows: chunks fitted to groups of more than
     FITTED_CHUNK_ROWS rows (1 / n of the average and two native tiles, up to WINDOW_CHUNK_ROWS), windows of
     WINDOW_SLACK an average group where x's window is fetched or the chunk was fitted, all where VMEM holds
-    them (else the tiling's)."""
+    them (else the tiling's), past the tiling's row tile if need be."""
     P = load_kernel("ragged_dot").pallas
     bf16 = jnp.bfloat16
 
-    def windows(tokens, chip, h, i, k, e, gather=False, w_dtype=None, **kw):
+    def windows(tokens, chip, h, i, k, e, gather=False, w_dtype=None, sum_cols=None, **kw):
         tiling = P.fused_moe_tiling(tokens * k, h, i, in_dtype=bf16, out_dtype=bf16, chip=chip, groups=e,
                                     w_dtype=w_dtype, **kw)
         return tiling[:2], P.fused_moe_windows(tokens * k, h, i, tiling, groups=e, tokens=tokens, in_dtype=bf16,
-                                               w_dtype=w_dtype, gather=gather, chip=chip)
+                                               w_dtype=w_dtype, gather=gather, chip=chip, sum_cols=sum_cols)
     gpt_oss = dict(h=2880, i=2880, k=4, e=32, transposed=False, interleaved=True, down_transposed=False)
     qwen3 = dict(h=2048, i=768, k=8, e=128)
     # GPT-OSS-20B at 2048 tokens (256 rows an expert): one 288-row chunk a group, 320-row windows
@@ -702,6 +702,11 @@ def test_fused_moe_windows_fit_a_group_where_it_combines(load_kernel):
     # quantized weights keep their chunk (its dequantized temporaries); the window still shrinks
     fp8 = windows(8192, "v6e", w_dtype=jnp.float8_e4m3fn, **qwen3)
     assert fp8[1] == (640, fp8[0][1])
+    # the tiling's row tile does not cap them (it made room for an output tile): Gemma-4 26B-A4B at 8192 tokens
+    # on TPU7x, 256-row tiles, summing 256 of its columns in the kernel; windows that do not fit: the tiling's
+    gemma4 = dict(h=2816, i=704, k=8, e=128, down_transposed=False)
+    assert windows(8192, "tpu7x", sum_cols=256, **gemma4) == ((256, 256), (640, 288))
+    assert windows(8192, "tpu7x", sum_cols=1024, **gemma4) == ((256, 256), (256, 256))
 
 
 def test_fused_moe_tiles_the_intermediate_where_the_layer_waits_on_weights(load_kernel):

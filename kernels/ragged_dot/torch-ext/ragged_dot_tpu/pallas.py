@@ -1544,31 +1544,28 @@ def fused_moe_combines(tokens: int, h: int, i: int, tiling, *, in_dtype, out_dty
     return need <= COMBINE_VMEM * _chip(chip).vmem_bytes
 
 
-# Where the tokens' f32 sums do not fit VMEM whole, the kernel can sum the columns whose sums fit, and leave only
-# the rows' other columns to XLA's unsort and top-k sum: where the layer waits on its weights (``waits_on_weights``
-# at SUM_COLS_RIDGE), whose DMA hides the adds. Measured with the cost model (layer us, XLA's combine -> some
-# columns in the kernel): Gemma-4 26B-A4B at 8192 tokens on v6e (2048 of 2816 columns) 2719.8 -> 2080.7; where
-# the layer is compute-bound the adds cost more than XLA's share saves, or the windows' chunks repeat rows:
-# GPT-OSS-20B on v6e (1280 of 2880) 4136.0 -> 4296.9, Gemma-4 on TPU7x (512 of 2816, 256-row windows) 1730.5
-# -> 2080.9; Qwen3-30B-A3B on TPU7x (640 of 2048) gained 1275.3 -> 1212.0, a gain the rule leaves.
-SUM_COLS_RIDGE = 1.0
+# Where the tokens' f32 sums do not fit VMEM whole, the kernel sums the most columns whose sums fit beside its
+# windows (``fused_moe_windows``), and leaves only the rows' other columns to XLA's unsort and top-k sum. The
+# windows are what pays most: a group's rows in one or two fitted chunks, against row tiles that split groups
+# and run a chunk for each piece. Measured with the cost model (layer us, row tiles and XLA's combine -> windows
+# and some columns in the kernel): at 8192 tokens Gemma-4 26B-A4B on v6e (2048 of 2816 columns) 2719.8 ->
+# 2080.7, on TPU7x (256, 640-row windows: the tiling's 256-row tiles no longer cap them) 1730.5 -> 1422.0;
+# Qwen3-30B-A3B on TPU7x (512 of 2048) 1275.3 -> 1045.8; GPT-OSS-20B on v6e (768 of 2880, 1280-row windows)
+# 4136.0 -> 3760.3. More columns with windows the tiling's size lose: GPT-OSS on v6e (1280, 1024-row windows)
+# 4296.9, Gemma-4 on TPU7x (512, 288) 1799.7.
 
 
 def fused_moe_sum_cols(tokens: int, h: int, i: int, tiling, *, rows: int, groups: int, in_dtype, out_dtype,
                        w_dtype=None, chip=None) -> int:
     """How many of the rows' h columns the fused MLP at ``tiling`` sums into its ``tokens`` outputs
-    (``fused_moe(sum_cols=...)``): all where the sums fit VMEM (``fused_moe_combines``); else, where the
-    ``rows`` wait on the weights (SUM_COLS_RIDGE), the most multiples of 128 whose sums fit, the rows'
-    other columns left for XLA's unsort and top-k sum; else 0."""
+    (``fused_moe(sum_cols=...)``): all where the sums fit VMEM (``fused_moe_combines``); else the most multiples
+    of 128 whose sums fit beside the windows of ``rows`` (``fused_moe_windows``), the rows' other columns left
+    for XLA's unsort and top-k sum; else 0 (XLA combines, the kernel's items are row tiles)."""
     if fused_moe_combines(tokens, h, i, tiling, in_dtype=in_dtype, out_dtype=out_dtype, w_dtype=w_dtype, chip=chip):
         return h
-    if not waits_on_weights(rows, groups, w_dtype or in_dtype, chip, ridge=SUM_COLS_RIDGE):
-        return 0
-    tm, chunk, ti = tiling
     for cols in range((h - 1) // 128 * 128, 0, -128):
-        need = combining_vmem_bytes(tokens, h, i, tm, chunk, ti, jnp.dtype(in_dtype).itemsize,
-                                    jnp.dtype(w_dtype or in_dtype).itemsize, sum_cols=cols)
-        if need <= COMBINE_VMEM * _chip(chip).vmem_bytes:
+        if _windows(rows, h, i, tiling, groups=groups, tokens=tokens, in_dtype=in_dtype, w_dtype=w_dtype,
+                    gather=False, chip=chip, sum_cols=cols):
             return cols
     return 0
 
@@ -1659,20 +1656,26 @@ def fused_moe_windows(m: int, h: int, i: int, tiling, *, groups: int, tokens: in
     """(tm, chunk) for a combining fused MLP (``fused_moe_combines``) at ``tiling``, its items windows of a
     group's rows (``WINDOW_SLACK``, ``WINDOW_CHUNK_ROWS``; gathering rows of short groups, the tiling's
     window), where they fit VMEM; else the tiling's."""
-    spec = _chip(chip)
+    return _windows(m, h, i, tiling, groups=groups, tokens=tokens, in_dtype=in_dtype, w_dtype=w_dtype,
+                    gather=gather, chip=chip, sum_cols=sum_cols) or tiling[:2]
+
+
+def _windows(m, h, i, tiling, *, groups, tokens, in_dtype, w_dtype, gather, chip, sum_cols):
+    """``fused_moe_windows``' (tm, chunk), or None where they do not fit VMEM. Neither is capped by the
+    tiling's row tile, which has room for an output tile a combining kernel does not hold."""
     tm, chunk, ti = tiling
     sub = _sublanes(in_dtype)
     avg = -(-m // groups)
     fitted = (w_dtype is None or jnp.dtype(w_dtype) == jnp.dtype(in_dtype)) and avg > FITTED_CHUNK_ROWS
     if fitted:
         n = -(-avg // WINDOW_CHUNK_ROWS)
-        chunk = min(tm, _round_up(-(-avg // n) + 2 * sub, sub))
+        chunk = _round_up(-(-avg // n) + 2 * sub, sub)
     if fitted or not gather:  # x's window is fetched whole; a fitted chunk takes room a long window held
-        tm = max(chunk, min(tm, _round_up(int(WINDOW_SLACK * avg), sub)))
+        tm = max(chunk, _round_up(int(WINDOW_SLACK * avg), sub))
     need = combining_vmem_bytes(tokens, h, i, tm, chunk, ti, jnp.dtype(in_dtype).itemsize,
                                 jnp.dtype(w_dtype or in_dtype).itemsize, x_rows=tm if gather else tm + sub,
                                 gather=gather, straight=straight_adds(m, groups, chunk), sum_cols=sum_cols)
-    return (tm, chunk) if need <= COMBINE_VMEM * spec.vmem_bytes else tiling[:2]
+    return (tm, chunk) if need <= COMBINE_VMEM * _chip(chip).vmem_bytes else None
 
 
 def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="silu", interleaved=False,
