@@ -294,7 +294,11 @@ def experts(hidden_states: jax.Array, top_k_index: jax.Array, top_k_weights: jax
             rows = jnp.where((row_groups[picked] < e).reshape(k, t, 1), rows, 0)
         out = (rows * top_k_weights.T[:, :, None].astype(prod)).astype(jnp.float32).sum(axis=0)
         out = out.astype(hidden_states.dtype)
-        return out if sum_cols is None else jnp.concatenate([sums, out], axis=1)
+        if sum_cols is None:
+            return out
+        if h % 128:  # XLA copies the kernel's sums to update them in place off the lane grid (GPT-OSS-20B)
+            return jnp.concatenate([sums[:, :sum_cols], out], axis=1)
+        return sums.at[:, sum_cols:].set(out)  # in place: the kernel left these columns
 
     if fused and implementation == "pallas":
         parts, part_tiling = combining_parts(t, k, e, h, inter_size, tiling, in_dtype=wdt, w_dtype=gate_up_proj.dtype,

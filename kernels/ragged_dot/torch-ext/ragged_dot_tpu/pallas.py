@@ -1338,8 +1338,9 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
         # tell its branches apart), and a loop of few static trips the compiler unrolls into it
         n, piece = obuf.shape[1], _sublanes(obuf.dtype)
 
-        def dma(b, slot):
-            return pltpu.make_async_copy(obuf.at[slot], out_ref.at[pl.ds(b * n, n)], osem.at[slot])
+        def dma(b, slot):  # (``sum_cols``: into the result's first columns, XLA's sums of the others beside)
+            dst = out_ref.at[pl.ds(b * n, n)] if sum_cols is None else out_ref.at[pl.ds(b * n, n), pl.ds(0, sum_cols)]
+            return pltpu.make_async_copy(obuf.at[slot], dst, osem.at[slot])
 
         def block(b, carry):
             slot = b % 2
@@ -1704,7 +1705,8 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     each window's first native tile. ``gather`` (with combine; ``fused_moe_gathers``): x is the tokens'
     rows [T, H], row r's x is x[row_token[r]], copied in the kernel. ``sum_cols`` (with combine, not gather; a
     multiple of 128 below H; ``fused_moe_sum_cols``): only the rows' first sum_cols columns are summed, the
-    rest leave as rows: returns ([T, sum_cols] sums, [m', H - sum_cols] rows, m' >= m; rows of no group hold
+    rest leave as rows: returns ([T, H] with the sums in its first sum_cols columns (the others unwritten, for
+    the caller's sums of the rows' others, in place), [m', H - sum_cols] rows, m' >= m; rows of no group hold
     garbage). ``mxu_deinterleave``: as ``gmm``'s.
     """
     down_transposed = transposed if down_transposed is None else down_transposed
@@ -1836,7 +1838,7 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
                     pltpu.SemaphoreType.DMA((2,))]
         if sum_cols:  # the rows' other columns, in rows a window's chunks may reach (past m: garbage)
             rest_rows = _round_up(m + tm + sub, sub) if windows else -(-m // tm) * tm
-            out_shape = [(out_shape[0], hs), (rest_rows, h - hs)]
+            out_shape = [out_shape, (rest_rows, h - hs)]
             out_spec = [out_spec, pl.BlockSpec(memory_space=pl.ANY)]
             out_bytes = out_rows * hs * out_dtype.itemsize + m * (h - hs) * comb[0].itemsize
             scratch += [pltpu.VMEM((2, tm + sub if windows else tm, h - hs), comb[0]),
