@@ -305,9 +305,11 @@ def test_layers_combine_in_parts_only_where_the_parts_pay(kern):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_layer_whose_sums_fit_in_some_columns_sums_those_in_the_kernel(kern, monkeypatch, dtype):
+@pytest.mark.parametrize("hidden", [384, 320])
+def test_a_layer_whose_sums_fit_in_some_columns_sums_those_in_the_kernel(kern, monkeypatch, dtype, hidden):
     """Where only some columns' f32 sums fit VMEM (``pallas.fused_moe_sum_cols``), the kernel sums those and
-    its rows' other columns go through XLA's unsort and top-k sum; here 128 and 256 of 384 columns, in windows
+    its rows' other columns go through XLA's unsort and top-k sum, written beside them in place (a hidden size
+    off the lane grid: concatenated); here 128 and 256 of 384 or 320 columns, in windows
     of a group's rows (so a window's first chunk reads back rows of the groups before it), with tokens routed
     to expert-parallel sentinels (rows of no group, which the kernel never writes: NaN in the strict
     interpreter) and an empty expert. Against the layer summed whole in the kernel, bit for bit, and grouped_mm."""
@@ -315,8 +317,8 @@ def test_a_layer_whose_sums_fit_in_some_columns_sums_those_in_the_kernel(kern, m
     from pallas_hub.verify import interpret
 
     P = kern.pallas
-    mod = _qwen3_experts(kern, hidden=384, intermediate=64)
-    x = torch.randn(100, 384)
+    mod = _qwen3_experts(kern, hidden=hidden, intermediate=64)
+    x = torch.randn(100, hidden)
     idx, w = _routing(100, 8, 2, seed=13)
     idx[idx == 5] = 7  # expert 5 gets no rows
     idx[::9, 1] = 8  # an expert-parallel sentinel: never computed, contributes zero

@@ -1111,14 +1111,14 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
     # each slab's value as the MXU takes it: read from VMEM, or (quantized) dequantized to x's dtype
     weights, down = [lambda w=w: w[...] for w in w_refs], lambda: d_ref[...]  # noqa: E731
     mxu_dtype = d_ref.dtype if quant is None else x_ref.dtype
-    n_out = 1 if sum_cols is None else 2  # the sums' columns [0, sum_cols) and (rest_ref) the rows' others
+    n_out = 1 if sum_cols is None else 2  # the sums (in columns [0, sum_cols)) and (rest_ref) the rows' others
     if quant is None:
-        out_ref, rest_ref = refs[-n_out], refs[-1]
+        out_ref, rest_ref = refs[-n_out], refs[-1] if sum_cols is not None else None
     else:
         channel, up_start, e4m3, in_dots = quant
         n_scratch = 0 if in_dots else 3
         gs_ref, ds_ref, out_ref = refs[len(refs) - 2 - n_out - n_scratch:len(refs) - n_out + 1 - n_scratch]
-        rest_ref = refs[len(refs) - 1 - n_scratch]
+        rest_ref = refs[len(refs) - 1 - n_scratch] if sum_cols is not None else None
         slabs = [(w, None if channel else gs_ref, dict(block0=b0, row_off=off, e4m3=e4m3))
                  for w, (b0, off) in zip(w_refs, [(0, 0), up_start])] + [(d_ref, None if channel else ds_ref, dict(e4m3=e4m3))]
         if in_dots:  # dequantized inside each chunk's dots: one block of code the scheduler interleaves
