@@ -272,21 +272,24 @@ def test_a_layer_whose_sums_do_not_fit_combines_in_parts(kern, monkeypatch, gath
 
 
 def test_layers_combine_in_parts_only_where_the_parts_pay(kern):
-    """Gemma-4 26B-A4B at 8192 tokens: its sums fit no chip's VMEM whole. On v5e two parts combine, each
-    still compute-bound with the experts' weights fetched once a part; on v6e and TPU7x parts would wait on
-    those fetches, and the layer stays whole (on v6e the kernel sums the columns whose sums fit, XLA the rest;
-    on TPU7x XLA all). Qwen3-30B-A3B at 8192 tokens combines whole on v6e."""
+    """At 8192 tokens the sums of Gemma-4 26B-A4B and GPT-OSS-20B fit no chip's VMEM whole. Kept whole, the
+    kernel sums the columns whose sums fit beside its windows, XLA the rest. On v5e GPT-OSS runs in two parts
+    that combine whole, each still compute-bound with the experts' weights fetched once a part, but Gemma-4,
+    whose kernel sums most of its columns (2048 of 2816), stays whole; on v6e and TPU7x parts would wait on
+    those fetches. Qwen3-30B-A3B at 8192 tokens combines whole on v6e."""
     P, E = kern.pallas, kern.experts
     bf = "bfloat16"
 
-    def parts(chip, t=8192, k=8, e=128, h=2816, i=704):
-        layout = dict(transposed=True, interleaved=False, down_transposed=i % 128 == 0)
+    def parts(chip, t=8192, k=8, e=128, h=2816, i=704, **layout):
+        layout = layout or dict(transposed=True, interleaved=False, down_transposed=i % 128 == 0)
         tiling = P.fused_moe_tiling(t * k, h, i, in_dtype=bf, out_dtype=bf, w_dtype=bf, groups=e, chip=chip, **layout)
         n, tiling_of = E.combining_parts(t, k, e, h, i, tiling, in_dtype=bf, w_dtype=bf, chip=chip, **layout)
         if n > 1:
             assert P.fused_moe_combines(-(-t // n), h, i, tiling_of(-(-t // n)), in_dtype=bf, out_dtype=bf, chip=chip)
         return n
-    assert [parts(c) for c in ("v5e", "v6e", "tpu7x")] == [2, 1, 1]
+    assert [parts(c) for c in ("v5e", "v6e", "tpu7x")] == [1, 1, 1]
+    gpt_oss = dict(k=4, e=32, h=2880, i=2880, transposed=False, interleaved=True, down_transposed=False)
+    assert [parts(c, **gpt_oss) for c in ("v5e", "v6e")] == [2, 1]
     assert parts("v6e", h=2048, i=768) == 1
 
     def sum_cols(chip, t=8192, k=8, e=128, h=2816, i=704, **layout):

@@ -147,19 +147,24 @@ def validate(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
 # model at 8192 tokens (layer us, whole -> parts): v5e Gemma-4 (2 parts) 8465.8 -> 7070.4, GPT-OSS-20B (2)
 # 12697.1 -> 10751.6; parts forced where the rule keeps the layer whole: v6e Gemma-4 2719.8 -> 2624.3 (the one
 # gain it leaves), GPT-OSS 4136.0 -> 6087.0; TPU7x Qwen3-30B-A3B 1275.3 -> 1803.6, Gemma-4 1730.5 -> 2087.6.
+# Where the kernel sums at least half the columns kept whole (``pallas.fused_moe_sum_cols``), XLA's share of
+# the combine is the smaller and the layer stays whole: v5e Gemma-4 (2048 of 2816 columns) 7070.4 in parts,
+# 6918.1 whole; GPT-OSS (896 of 2880) 10751.6 in parts, 11724.6 whole.
 MAX_PARTS = 4
 PARTS_RIDGE = 1.0
 
 
 def combining_parts(t: int, k: int, e: int, h: int, i: int, tiling, *, in_dtype, w_dtype, chip=None, **layout):
-    """(parts, tiling_of) for a fused layer of ``t`` tokens at ``tiling``: 1 where it combines whole or no part
-    would pay (see MAX_PARTS); else the fewest parts up to MAX_PARTS whose fused MLP combines, and
-    tiling_of(tokens) their tiling."""
+    """(parts, tiling_of) for a fused layer of ``t`` tokens at ``tiling``: 1 where it combines whole, sums most
+    of its columns whole or no part would pay (see MAX_PARTS); else the fewest parts up to MAX_PARTS whose fused
+    MLP combines, and tiling_of(tokens) their tiling."""
     sizes = dict(in_dtype=in_dtype, out_dtype=in_dtype, w_dtype=w_dtype, chip=chip)
 
     def tiling_of(n):
         return pallas.fused_moe_tiling(n * k, h, i, groups=e, **sizes, **layout)
     if pallas.fused_moe_combines(t, h, i, tiling, **sizes):
+        return 1, tiling_of
+    if 2 * pallas.fused_moe_sum_cols(t, h, i, tiling, rows=t * k, groups=e, **sizes) >= h:
         return 1, tiling_of
     for parts in range(2, MAX_PARTS + 1):
         n = -(-t // parts)
