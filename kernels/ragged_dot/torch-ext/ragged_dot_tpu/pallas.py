@@ -1549,11 +1549,11 @@ def fused_moe_combines(tokens: int, h: int, i: int, tiling, *, in_dtype, out_dty
 # windows (``fused_moe_windows``), and leaves only the rows' other columns to XLA's unsort and top-k sum. The
 # windows are what pays most: a group's rows in one or two fitted chunks, against row tiles that split groups
 # and run a chunk for each piece. Measured with the cost model (layer us, row tiles and XLA's combine -> windows
-# and some columns in the kernel): at 8192 tokens Gemma-4 26B-A4B on v6e (2048 of 2816 columns) 2719.8 ->
-# 2080.7, on TPU7x (256, 640-row windows: the tiling's 256-row tiles no longer cap them) 1730.5 -> 1422.0;
-# Qwen3-30B-A3B on TPU7x (512 of 2048) 1275.3 -> 1045.8; GPT-OSS-20B on v6e (768 of 2880, 1280-row windows)
-# 4136.0 -> 3760.3. More columns with windows the tiling's size lose: GPT-OSS on v6e (1280, 1024-row windows)
-# 4296.9, Gemma-4 on TPU7x (512, 288) 1799.7.
+# and some columns in the kernel, the bench at 4be41ac): at 8192 tokens Gemma-4 26B-A4B on TPU7x (256 of 2816
+# columns, 640-row windows: the tiling's 256-row tiles no longer cap them) 1730.5 -> 1419.3, on v6e (2048) 2719.8
+# -> 1887.5; Qwen3-30B-A3B on TPU7x (512 of 2048) 1275.3 -> 1036.9; GPT-OSS-20B on v6e (896 of 2880, 1280-row
+# windows) 4136.0 -> 3763.6 (768 columns: 3760.3, the count is no sharp optimum). More columns with windows the
+# tiling's size lose: GPT-OSS on v6e (1280, 1024-row windows) 4296.9, Gemma-4 on TPU7x (512, 288) 1799.7.
 
 
 def fused_moe_sum_cols(tokens: int, h: int, i: int, tiling, *, rows: int, groups: int, in_dtype, out_dtype,
