@@ -182,6 +182,37 @@ def test_strict_interpreter_quantized_fused_and_gmm(load_kernel, monkeypatch):
         np.testing.assert_allclose(np.asarray(out), ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("kind", ["fp8", "int8"])
+def test_quantized_layer_whose_sums_fit_in_some_columns(load_kernel, kind, monkeypatch):
+    """Quantized weights in a layer that sums only some columns in the kernel (``pallas.fused_moe_sum_cols``,
+    which since the windows' own sizing can pick it on any chip): 128 of 384 columns, in windows of a group's
+    rows, an empty expert and a sentinel, against the same layer summed whole in the kernel, bit for bit, and
+    the dequantized reference."""
+    k = load_kernel("ragged_dot")
+    e, h, i, t = 8, 384, 128, 100
+    (gu, dn, gus, dns), (gate, up, down) = make_experts(kind, e, h, i, seed=3)
+    idx, w = routing(t, e, 2, empty={5}, seed=7)
+    x = np.random.default_rng(8).standard_normal((t, h)).astype(np.float32)
+    args = (jnp.asarray(x), jnp.asarray(idx), jnp.asarray(w), gu, dn)
+    monkeypatch.setattr(k.pallas, "fused_moe_tiling", lambda m, hh, ii, **kw: (64, 32, ii))
+    monkeypatch.setattr(k.pallas, "fused_moe_gathers", lambda *a, **kw: False)
+    with interpret("strict"):
+        whole = k.experts.experts(*args, gate_up_scale=gus, down_scale=dns)
+    calls, fused = [], k.pallas.fused_moe
+
+    def spy(*a, sum_cols=None, **kw):
+        calls.append(sum_cols)
+        return fused(*a, sum_cols=sum_cols, **kw)
+    monkeypatch.setattr(k.pallas, "fused_moe", spy)
+    monkeypatch.setattr(k.pallas, "fused_moe_sum_cols", lambda *a, **kw: 128)
+    with interpret("strict"):
+        split = k.experts.experts(*args, gate_up_scale=gus, down_scale=dns)
+    assert calls == [128]
+    np.testing.assert_array_equal(np.asarray(split), np.asarray(whole))
+    ref = reference(x, idx, w, gate, up, down, "float32")
+    np.testing.assert_allclose(np.asarray(split), ref, rtol=2e-5, atol=2e-5 * np.abs(ref).max())
+
+
 def test_quantized_torch_op(load_kernel):
     """The torch op takes torch.float8_e4m3fn weights and f32 scales (what FP8Experts holds)."""
     import torch
