@@ -9,6 +9,7 @@ import pytest
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_hub import verify
 from pallas_hub.bench import costmodel
 from pallas_hub.vendored import _chips as chips
 
@@ -186,6 +187,52 @@ def test_step_types_add_up_to_the_totals():
     assert loop.parent is None and loop.static_trips is None and loop.pipeline
     (step,) = copies.step_types
     assert step.iterations == (3,) and step.dma_read == (0, 3 * 16 * 128 * 4)  # the copies sit in the loop level
+
+
+def _chunks_started_by_an_inner_loop(n_chunks, x):
+    """n_chunks[0] chunks of 32 rows, each started as two 16-row copies by an inner loop that only starts
+    them (paged attention's page loop, vLLM TPU's cache-update loop), then waited for and summed."""
+
+    def kernel(n_ref, x_hbm, o_ref, buf, sem):
+        def body(c, carry):
+            def start(j, carry):
+                pltpu.make_async_copy(x_hbm.at[pl.ds(c * 32 + j * 16, 16)], buf.at[pl.ds(j * 16, 16)], sem).start()
+                return carry
+            jax.lax.fori_loop(0, 2, start, 0)
+            pltpu.make_async_copy(buf, buf, sem).wait()
+            o_ref[...] += buf[pl.ds(0, 16)] + buf[pl.ds(16, 16)]
+            return carry
+
+        o_ref[...] = jnp.zeros_like(o_ref)
+        jax.lax.fori_loop(0, n_ref[0], body, 0)
+
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(1,),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec((16, 128), lambda i, n: (0, 0)),
+            scratch_shapes=[pltpu.VMEM((32, 128), jnp.float32), pltpu.SemaphoreType.DMA]),
+        out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32),
+    )(n_chunks, x)
+
+
+def test_a_loop_that_only_starts_copies_is_work_of_the_step_that_waits():
+    """A DMA-loop step is an iteration of the loop that starts copies and waits for them (a software
+    pipeline's step), not of an inner loop that only starts them: its iterations are issue work inside
+    that step, with no per-step cost of their own."""
+    x = jnp.arange(96 * 128, dtype=jnp.float32).reshape(96, 128)
+    n = jnp.array([3], jnp.int32)
+    with verify.interpret("fast"):
+        got = _chunks_started_by_an_inner_loop(n, x)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(x.reshape(6, 16, 128).sum(0)))
+    (call,) = costmodel.estimate(_chunks_started_by_an_inner_loop, n, x).calls
+    chunks, starts = call.loops
+    assert chunks.parent is None and chunks.pipeline
+    assert starts.parent == 0 and starts.static_trips == 2 and not starts.pipeline
+    assert call.pipeline_steps == 3  # the chunks, not the 6 copies
+    (step,) = call.step_types
+    assert step.iterations == (3, 6) and step.dma_read == (0, 0, 6 * 16 * 128 * 4)
 
 
 def _table_row_copies(lengths, table, pages):
@@ -399,8 +446,6 @@ class InterpreterTraffic:
         monkeypatch.setattr(ipc.DMA, "execute_read", counting_read)
 
     def run(self, fn, *args):
-        from pallas_hub import verify
-
         with verify.interpret("strict", detect_races=False):
             jax.block_until_ready(jax.jit(fn)(*args))
         return self.counts

@@ -18,10 +18,10 @@ walks the grid in Pallas pipeline order (row-major, last axis fastest) and
   upper bound), and loop outputs that are vector data stay unknown.
 
 Time per call = max(HBM bytes / bandwidth, flops / bf16 peak) + steps x per-step overhead
-(``pallas_hub.vendored._chips``); steps are the grid's plus every iteration of an innermost kernel loop that
-starts DMAs (a software pipeline's steps). A function's time is the sum over its calls. Not
-modelled: XLA work outside the kernels, megacore splitting of "parallel" axes, f32 MXU passes (all
-flops at the bf16 peak), and inefficiency inside a step. A model, never a measured TPU time.
+(``pallas_hub.vendored._chips``); steps are the grid's plus every iteration of an innermost kernel loop
+that starts DMAs and waits for them (a software pipeline's steps). A function's time is the sum over
+its calls. Not modelled: XLA work outside the kernels, megacore splitting of "parallel" axes, f32 MXU
+passes (all flops at the bf16 peak), and inefficiency inside a step. A model, never a measured TPU time.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class LoopInfo:
     """A loop (scan / while) of a kernel body, in program order; ``parent`` indexes its enclosing loop."""
     parent: int | None  # None: directly in the grid step
     static_trips: int | None  # a scan's length; None for a while loop
-    pipeline: bool  # starts DMAs and holds no such loop: each iteration is a DMA-loop step
+    pipeline: bool  # starts and waits for DMAs and holds no such loop: each iteration is a DMA-loop step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -411,7 +411,7 @@ class _Site:
     read_bytes: int = 0
     write_bytes: int = 0
     remote_bytes: int = 0
-    steps: int = 0  # one iteration of a software-pipeline loop (a loop that starts DMAs)
+    steps: int = 0  # one iteration of a software-pipeline loop (a loop that starts and waits for DMAs)
     dynamic: bool = False  # a copy whose size is only known at run time: counts carry its bytes
     level: int = 0  # 0: the grid step's own body; i + 1: inside loop i (innermost)
     loop: int | None = None  # this site counts the iterations of loop ``loop``
@@ -420,18 +420,21 @@ class _Site:
 _LOOPS = ("while", "scan")
 
 
-def _starts_dma(jaxpr) -> bool:
-    return any(e.primitive.name == "dma_start" for e in introspect.walk(jaxpr))
+def _dma_ops(jaxpr) -> set[str]:
+    return {e.primitive.name for e in introspect.walk(jaxpr)} & {"dma_start", "dma_wait"}
+
+
+def _body(eqn):
+    return _jaxpr_of(eqn.params["body_jaxpr" if eqn.primitive.name == "while" else "jaxpr"])
 
 
 def _is_pipeline_loop(eqn) -> bool:
-    """A loop whose iterations start DMAs and contain no inner such loop: each iteration is a step."""
-    if eqn.primitive.name not in _LOOPS:
+    """A software pipeline's loop: its iterations start DMAs and wait for them, and no inner loop does both.
+    Each iteration is a step. A loop that only starts copies (a page loop issuing a chunk's DMAs) is issue
+    work inside the step that waits for them."""
+    if eqn.primitive.name not in _LOOPS or len(_dma_ops(_body(eqn))) < 2:
         return False
-    body = _jaxpr_of(eqn.params["body_jaxpr" if eqn.primitive.name == "while" else "jaxpr"])
-    return _starts_dma(body) and not any(
-        e.primitive.name in _LOOPS and _starts_dma(_jaxpr_of(e.params["body_jaxpr" if e.primitive.name == "while" else "jaxpr"]))
-        for e in introspect.walk(body))
+    return not any(e.primitive.name in _LOOPS and len(_dma_ops(_body(e))) == 2 for e in introspect.walk(_body(eqn)))
 
 
 _CALL_PARAMS = {"pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",

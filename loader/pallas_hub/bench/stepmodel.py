@@ -16,8 +16,8 @@ compiled into the level: inlined alternatives, e.g. masked and unmasked tiles, a
 MXU = vmatmul per MXU x cycles per vmatmul (in the same proportion). A grid step costs
 ``max(DMA, compute + overhead)``, DMA = bytes / bandwidth of the blocks it moves and the copies it
 starts: the DMA engine moves the next step's blocks while the core computes and pays the per-step
-cost. Each iteration of a DMA loop inside a step (a loop whose iterations start copies: paged
-attention, emit_pipeline) is a step of its own, costed the same way. An XLA op costs
+cost. Each iteration of a DMA loop inside a step (a loop whose iterations start copies and wait for
+them: paged attention's chunks, emit_pipeline) is a step of its own, costed the same way. An XLA op costs
 ``max(bytes / bandwidth, bundles / clock) + overhead``. The program is the sum. ``overhead`` is
 the one constant nothing here can measure: results are given at 0, 0.35 and 0.7 us. (Fitted to
 libtpu's own static estimate of small-block Pallas matmuls, this form charges about 0.18 us per
