@@ -219,6 +219,36 @@ def test_quantized_cache_matches_dense_reference(load_kernel, name, dtype):
     check(k, args, k_scale=ks, v_scale=vs, **static)
 
 
+LAST_PAGE_CASES = {  # name: (make_case kwargs, tokens whose rows make whole 32-bit words)
+    "f32_hkv3_page16": (dict(hq=6, hkv=3), 1),
+    "bf16_hkv1_page16": (dict(hq=4, hkv=1, dtype=jnp.bfloat16), 2),  # a token's row is half a word
+    "bf16_hkv3_page32": (dict(page=32, hq=6, hkv=3, dtype=jnp.bfloat16), 2),
+    "bf16_hkv2_page128": (dict(page=128, hq=8, hkv=2, dtype=jnp.bfloat16), 1),
+}
+
+
+@pytest.mark.parametrize("partial", [True, False], ids=["up-to-the-end", "whole"])
+@pytest.mark.parametrize("name", LAST_PAGE_CASES)
+def test_a_sequence_last_page_copied_up_to_its_end_or_whole(load_kernel, monkeypatch, name, partial):
+    """On PARTIAL_PAGE_CHIPS a cache of q's dtype has a sequence's last page copied only up to its end, rounded
+    up to whole 32-bit rows (pieces of a power of two tokens, waited for in tokens); elsewhere whole. Either
+    gives the reference, with lengths ending inside a word, on a page's last token and on its first, over
+    several chunks (block_kv of two pages). The slots past the end hold an earlier chunk's keys, or under the
+    strict interpreter NaN, so a key past the end that reached the softmax or P @ V would show; the strict
+    one where it runs the kernel (it cannot read the 32-bit view ``_head_rows`` takes of packed rows)."""
+    k = load_kernel("paged_attention")
+    make, unit = LAST_PAGE_CASES[name]
+    dtype = make.get("dtype", jnp.float32)
+    assert k.pallas._word_tokens(make["hkv"], jnp.dtype(dtype).itemsize) == unit
+    page = make.get("page", 16)
+    kv_lens = [1, page - 1, page, page + 1, 3 * page + 2, 2 * page + unit + 1]
+    monkeypatch.setattr(k.pallas, "PARTIAL_PAGE_CHIPS", (None,) if partial else ())
+    jax.clear_caches()  # jit caches traces by function, not by the module constants they read
+    packed = dtype == jnp.bfloat16 and make["hkv"] > 1
+    check(k, make_case([1] * len(kv_lens), kv_lens, **make), mode="fast" if packed else "strict", block_q=8,
+          block_kv=2 * page)
+
+
 @pytest.mark.parametrize("b11", [True, False], ids=["e4m3b11fnuz-unpack", "e4m3fn-conversion"])
 @pytest.mark.parametrize("hkv", [2, 1])
 def test_fp8_cache_every_code_in_both_conversions(load_kernel, monkeypatch, b11, hkv):
@@ -356,8 +386,10 @@ def test_quantized_cache_halves_the_modelled_kv_traffic(load_kernel):
         (call,) = costmodel.estimate(k.pallas.ragged_paged_attention, q, pages, pages, jnp.asarray(lens),
                                      jnp.asarray(table), cu, **scales).calls
         kv_bytes[jnp.dtype(dtype).name] = call.dma_read_bytes
-    pages_read = sum(-(-int(n) // page) for n in lens)
-    assert kv_bytes["bfloat16"] >= 2 * pages_read * page * hkv * d * 2  # K and V pages, 2 bytes a value
+    # K and V of each sequence's tokens, 2 bytes a value (a last page copied up to the sequence's end), and
+    # its row of the page table
+    kv = 2 * int(lens.sum()) * hkv * d * 2
+    assert kv + 8 * 64 * 4 <= kv_bytes["bfloat16"] <= kv + 8 * 64 * 4 + 8 * 2 * hkv * d * 2, (kv, kv_bytes)
     assert kv_bytes["float8_e4m3fn"] == kv_bytes["int8"]
     assert abs(kv_bytes["float8_e4m3fn"] / kv_bytes["bfloat16"] - 0.5) < 0.01, kv_bytes
 
@@ -774,6 +806,33 @@ def test_write_and_attend_is_write_kv_then_attention(load_kernel, name, mode):
     assert np.isfinite(out).all() and not out[int(cu[-1]):].any()
     tol = TOL[jnp.dtype(q.dtype).type]
     np.testing.assert_allclose(out, ref, rtol=tol, atol=tol)
+
+
+def test_write_and_attend_batch_rule(load_kernel, monkeypatch):
+    """More than FUSED_WRITE_MAX_SEQS sequences take the two calls, except on FUSED_WRITE_ANY_BATCH_CHIPS with a
+    cache of q's dtype (one kernel: the same caches and output); a quantized cache takes the two there too."""
+    from pallas_hub.verify.introspect import pallas_calls
+
+    k = load_kernel("paged_attention")
+    q_lens, kv_lens = [1] * 8 + [5], [3, 17, 40, 16, 33, 5, 64, 2, 30]
+    q, kp, vp, lens, table, cu, _ = make_case(q_lens, kv_lens, hkv=2)
+    new_k, new_v = q[:, :2] * 0.5, q[:, 2:] - 1
+    args = (q, new_k, new_v, kp, vp, lens, table, cu)
+    assert len(q_lens) > k.pallas.FUSED_WRITE_MAX_SEQS
+    ks = jnp.full((2,), 0.02, jnp.float32)
+    kq, vq = (jnp.asarray(host_quantize(x, ks, "int8")) for x in (kp, vp))
+    results = {}
+    for any_batch in ((), (None,)):
+        monkeypatch.setattr(k.pallas, "FUSED_WRITE_ANY_BATCH_CHIPS", any_batch)
+        jax.clear_caches()
+        assert len(pallas_calls(k.pallas.write_and_attend, *args)) == (1 if any_batch else 2)
+        quantized = pallas_calls(k.pallas.write_and_attend, q, new_k, new_v, kq, vq, lens, table, cu, k_scale=ks,
+                                 v_scale=ks)
+        assert len(quantized) == 2
+        with interpret("fast"):
+            results[any_batch] = [np.asarray(x) for x in jax.jit(k.pallas.write_and_attend)(*args)]
+    for one, two in zip(results[(None,)], results[()]):
+        np.testing.assert_allclose(one, two, rtol=1e-6, atol=1e-6)
 
 
 def test_write_and_attend_torch_op_is_the_two_ops(load_kernel):

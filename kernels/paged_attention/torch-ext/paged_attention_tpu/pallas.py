@@ -20,7 +20,8 @@ item, only the pages its rows can see (causal end, sliding-window start) are fet
 tokens at a time, by manual DMAs from HBM into a double-buffered VMEM scratch: chunk c+1 is in
 flight while chunk c is computed, and during an item's last chunk the next item's first (its
 page-table row fetched into SMEM beforehand), so no item waits for its first DMA. Whole pages
-[page, Hkv, D] are copied (one contiguous DMA each) as page * Hkv dense rows (token, head), and every
+[page, Hkv, D] are copied (one contiguous DMA each; on PARTIAL_PAGE_CHIPS a sequence's last page only up to
+its end) as page * Hkv dense rows (token, head), and every
 KV head is computed from them, so GQA never repeats K/V; a head's keys are one strided sublane load
 (``_head_rows``), not a per-token shuffle. The page table stays in HBM and each item copies its own
 row into SMEM (a 256-sequence x 32k-token table does not fit in 1 MiB of SMEM).
@@ -103,6 +104,14 @@ PIPELINE_LAG = {"v5e": (0, 1), "v6e": (1, 1), "tpu7x": (1, 2), None: (1, 1)}
 # blocks): page 16 629.1 / 396.3 / 326.6 -> 640.5 / 359.7 / 279.5, page 128 629.4 / 353.4 / 273.8 -> 645.8 /
 # 329.9 / 226.7. v5e (no bf16 VPU) keeps rows on sublanes.
 KEYS_MAJOR_CHIPS = ("v6e", "tpu7x", None)
+# Chips where a cache of q's dtype has a sequence's last page copied only up to the sequence's end
+# (``cache_copies``: pieces of a power of two tokens, waits in tokens); elsewhere, and for quantized caches,
+# it is copied whole. Cost model v2, Qwen3 decode B=64, layer us v5e / v6e / TPU7x, whole -> partial last page:
+# page 128 458.0 / 236.0 / 127.4 -> 447.9 / 230.9 / 132.4 (8.3 MB less of 359 MB), page 16 448.7 / 231.7 /
+# 177.3 -> 447.6 / 230.9 / 180.9: TPU7x's kernel is bound by issuing its copies, not by their bytes, and so
+# are v5e's and v6e's over fp8 / int8 caches (page 128 fp8 407.2 / 274.7 -> 414.9 / 281.1). None: off TPU
+# (the tests).
+PARTIAL_PAGE_CHIPS = ("v5e", "v6e", None)
 # Chips whose DMA into SMEM takes a page-table row of any length. Elsewhere (v5e: only multiples of 512 bytes,
 # 128 int32; an unknown chip) the rows are padded to 128 entries, an XLA op before the kernel.
 SMEM_DMA_ANY_LENGTH_CHIPS = ("v6e", "tpu7x")
@@ -111,6 +120,12 @@ SMEM_DMA_ANY_LENGTH_CHIPS = ("v6e", "tpu7x")
 # model v2, layer us v5e / v6e / TPU7x, one kernel vs two calls: Qwen3 decode B=1 8.7 / 6.2 / 5.7 vs 12.4 / 10.4 / 10.4,
 # B=8 58.2 / 33.2 / 27.4 vs 60.6 / 35.2 / 29.7, B=64 page 16 459.4 / 250.2 / 197.9 vs 450.1 / 232.8 / 179.1.
 FUSED_WRITE_MAX_SEQS = 8
+# Chips where a cache of q's dtype takes the one kernel at any batch: v5e waits on its DMAs, which hide the
+# fused write's copies (partial last pages on, layer us, two calls -> one kernel: Qwen3 decode B=64 page 16
+# 447.6 -> 442.4, B=256 1743.8 -> 1721.5, page 128 447.9 -> 442.8, B=64 x 32k 5261.8 -> 5253.4, mixed 60
+# decode + 4 x 128 prefill page 16 627.6 -> 606.9; over an fp8 cache page 16 495.6 -> 505.9). On v6e it
+# paid at page 128 (230.9 -> 225.2) but not at page 16 (230.9 -> 236.1, B=256 893.5 -> 926.7).
+FUSED_WRITE_ANY_BATCH_CHIPS = ("v5e",)
 
 
 # --------------------------------------------------------------------------- validation
@@ -372,7 +387,7 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
             q_ref, table_hbm, k_hbm, v_hbm,  # inputs; then new K/V rows [T * Hkv, D] (write), sinks [Hq] (has_sinks),
             *refs,  # scales [2 Hkv] (quantized); the output block [Hkv, R, D], the caches (write); scratch
             pps, scale, window, softcap, block_q, group, pages_per_block, block_sizes, has_sinks, quantized,
-            e4m3_b11, lag, keys_major, exp_dtype, write):
+            e4m3_b11, lag, keys_major, exp_dtype, write, partial_pages):
     new_k_hbm, new_v_hbm = refs[:2] if write else (None, None)
     refs = refs[2 * write:]
     sinks_ref = refs[0] if has_sinks else None
@@ -393,6 +408,8 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
     chunk = pages_per_block * page
     new_tokens = new_k_hbm.shape[0] // hkv if write else 0  # rows of new_k/new_v: T
     sub = SUB_BLOCK if chunk % SUB_BLOCK == 0 else chunk  # keys per score block: a chunk's last is partly past the end
+    partial = write or partial_pages  # part of a page copied (``cache_copies``)
+    unit = _word_tokens(hkv, kbuf.dtype.itemsize)  # such a copy starts and ends on whole 32-bit rows (Mosaic)
 
     def plan(tile, s):
         """Item (tile, s)'s rows [lo, hi) of the packed queries and the pages [first_page, end_page) they see."""
@@ -427,36 +444,51 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
         return jax.lax.bitcast_convert_type(
             jnp.minimum(jax.lax.bitcast_convert_type(table_smem[at], jnp.uint32), num_pages - 1), jnp.int32)
 
-    def start_pages(it_plan, row, c, slot):
-        """Start the K and V copies of chunk c's pages of an item into ``slot``, one DMA per page. With write,
-        a page's tokens from the sequence's first new one on come from new_k/new_v instead."""
-        # pages started: [p0, p0 + n); a table_smem row has at least pages_per_block entries of slack
-        # past pps, so every read below is in bounds
+    def cache_copies(it_plan, c):
+        """What chunk c copies from the cache: ``whole`` pages from p0, then ``part`` tokens of page ``col``
+        (0 where it is not in the chunk). With write, the pages wholly before the sequence's first new token
+        and the tokens before it of its page (new_k/new_v give the rest); on PARTIAL_PAGE_CHIPS the pages
+        wholly before the sequence's end and its last page up to the end, rounded up to whole 32-bit rows
+        (``_word_tokens``; the tokens past the end come along and are masked); elsewhere every page whole."""
         p0, n, _, _ = chunk_span(it_plan, c)
+        if not partial:
+            return p0, n, None, 0
+        limit = it_plan["offset"] if write else it_plan["kv_end"]
+        col = _div(jnp.maximum(limit, 0), page)
+        part = limit - col * page
+        if not write:
+            part = jnp.minimum(_div(part + unit - 1, unit) * unit, page)
+        part = jnp.where((col >= p0) & (col < p0 + n), jnp.maximum(part, 0), 0)
+        return p0, jnp.clip(col - p0, 0, n), col, part
+
+    def start_pages(it_plan, row, c, slot):
+        """Start the K and V copies of chunk c (``cache_copies``) into ``slot``: a DMA for each whole page,
+        pieces for the part of one (``_start_pieces``); with write, the new tokens from new_k/new_v."""
+        # a table_smem row has at least pages_per_block entries of slack past pps: every read is in bounds
+        p0, whole, col, part = cache_copies(it_plan, c)
         at = row * stride + p0
-        offset = it_plan["offset"] if write else None
         for j in range(pages_per_block):
             pid = page_id(at + j)
 
-            @pl.when((j < n) & ((p0 + j + 1) * page <= offset) if write else j < n)
+            @pl.when(j < whole)
             def _():
                 for src, dst, sem in ((k_hbm, kbuf, sems.at[0, slot]), (v_hbm, vbuf, sems.at[1, slot])):
                     pltpu.make_async_copy(src.at[pid], dst.at[slot, pl.ds(j * page * hkv, page * hkv)], sem).start()
-        if not write:
+        if not partial:
             return
-        # the page holding the first new token, up to it
-        col = _div(jnp.maximum(offset, 0), page)
-        part, j = offset - col * page, col - p0
 
-        @pl.when((part > 0) & (j >= 0) & (j < n))
+        @pl.when(part > 0)
         def _():
-            pid = page_id(row * stride + col)
+            pid, j = page_id(row * stride + col), col - p0
 
             def piece(at, size):
                 for src, dst, sem in ((k_hbm, kbuf, sems.at[0, slot]), (v_hbm, vbuf, sems.at[1, slot])):
                     pltpu.make_async_copy(src.at[pid, pl.ds(at * hkv, size * hkv)],
                                           dst.at[slot, pl.ds((j * page + at) * hkv, size * hkv)], sem).start()
-            _start_pieces(part, page - 1, piece)
+            _start_pieces(part, page - write, piece)  # with write, part < page
+        if not write:
+            return
+        offset = it_plan["offset"]
 
         # the new tokens the chunk holds, from new_k/new_v
         a, b, _ = new_span(it_plan, c)
@@ -484,18 +516,23 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
         return wait
 
     def wait_pages(it_plan, c, slot):
-        """Wait for chunk c's pages (``_wait_units``, a unit a page; with write a token)."""
+        """Wait for what ``start_pages`` copied (``_wait_units``: a unit a token, or a page where pages are
+        copied whole)."""
+        if not partial:
+            def wait(b):
+                for buf, sem in ((kbuf, sems.at[0, slot]), (vbuf, sems.at[1, slot])):
+                    pages = buf.at[slot, pl.ds(0, b * page * hkv)]
+                    pltpu.make_async_copy(pages, pages, sem).wait()
+
+            _wait_units(chunk_span(it_plan, c)[1], pages_per_block, wait)
+            return
         if write:
             a, b, cached = new_span(it_plan, c)
-            _wait_units(cached + b - a, chunk, wait_tokens(lambda i: sems.at[i, slot], slot))
-            return
-
-        def wait(b):
-            for buf, sem in ((kbuf, sems.at[0, slot]), (vbuf, sems.at[1, slot])):
-                pages = buf.at[slot, pl.ds(0, b * page * hkv)]
-                pltpu.make_async_copy(pages, pages, sem).wait()
-
-        _wait_units(chunk_span(it_plan, c)[1], pages_per_block, wait)
+            tokens = cached + b - a
+        else:
+            _, whole, _, part = cache_copies(it_plan, c)
+            tokens = whole * page + part
+        _wait_units(tokens, chunk, wait_tokens(lambda i: sems.at[i, slot], slot))
 
     def write_rows(it_plan, row, c, slot):
         """Start the copies of the item's own new rows in chunk c (in VMEM ``slot``) to their cache pages, a
@@ -641,7 +678,7 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
             def _():
                 if write:
                     wait_writes(slot)
-                keys = ("first_page", "end_page") + (("offset", "kv_end", "q_start") if write else ())
+                keys = ("first_page", "end_page") + (("offset", "kv_end", "q_start") if write else ("kv_end",) * partial)
                 target = {k: jnp.where(last, nxt_plan[k], me[k]) for k in keys}
                 start_pages(target, jnp.where(last, 1 - row, row), jnp.where(last, 0, c + 1), slot)
 
@@ -795,6 +832,13 @@ def _word_runs(hkv: int, itemsize: int) -> int:
     return 1 if hkv == 1 else pack // math.gcd(hkv, pack)
 
 
+def _word_tokens(hkv: int, itemsize: int) -> int:
+    """Fewest tokens whose dense rows (token, head) make whole 32-bit words: a DMA of rows starts and ends on
+    a word (``fuses_write``)."""
+    pack = 4 // itemsize
+    return pack // math.gcd(hkv, pack)
+
+
 def _head_rows(buf, slot, h, hkv, start, n, e4m3_b11: bool = False):
     """KV head h of tokens [start, start + n) of the chunk in ``slot``, [n, D] in buf's dtype (``e4m3_b11``:
     an e4m3fn cache's bytes as e4m3b11fnuz, -0 cleared; see ``_values``), from dense rows (token, head).
@@ -941,11 +985,13 @@ def write_and_attend(
     new_k/new_v, and copies the new rows from VMEM to their pages while it computes (the caches are
     aliased outputs: in place under jit with donated caches). Same arguments and rules as the two
     (new_k/new_v [T, Hkv, D] like q's rows; a quantized cache gets them quantized). More than
-    FUSED_WRITE_MAX_SEQS sequences, or a cache whose token rows split a packed 32-bit word (``fuses_write``:
-    one KV head of bf16, fewer than four of a 1-byte dtype), take the two calls."""
+    FUSED_WRITE_MAX_SEQS sequences (any number on FUSED_WRITE_ANY_BATCH_CHIPS with a cache of q's dtype), or
+    a cache whose token rows split a packed 32-bit word (``fuses_write``: one KV head of bf16, fewer than four
+    of a 1-byte dtype), take the two calls."""
     validate_write_and_attend(q, new_k, new_v, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks, scale, window,
                               softcap, block_q, block_kv, k_scale, v_scale)
-    if not fuses_write(k_pages) or page_indices.shape[0] > FUSED_WRITE_MAX_SEQS:
+    any_batch = k_scale is None and current_chip() in FUSED_WRITE_ANY_BATCH_CHIPS
+    if not fuses_write(k_pages) or (page_indices.shape[0] > FUSED_WRITE_MAX_SEQS and not any_batch):
         k_pages, v_pages = write_kv(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens, k_scale, v_scale)
         return ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks, scale, window,
                                       softcap, block_q, block_kv, k_scale, v_scale), k_pages, v_pages
@@ -1023,7 +1069,8 @@ def _attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks, sca
         pages_per_block=pages_per_block, block_sizes=block_sizes, has_sinks=sinks is not None,
         quantized=quantized, e4m3_b11=quantized and k_pages.dtype == jnp.float8_e4m3fn and reads_e4m3_as_b11(),
         lag=PIPELINE_LAG.get(current_chip(), PIPELINE_LAG[None]), keys_major=keys_major,
-        exp_dtype=am.exp_dtype(q.dtype, current_chip()), write=write)
+        exp_dtype=am.exp_dtype(q.dtype, current_chip()), write=write,
+        partial_pages=not quantized and current_chip() in PARTIAL_PAGE_CHIPS)
 
     block = pl.BlockSpec((hkv, rows, width), lambda i, *_: (0, i, 0))
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
