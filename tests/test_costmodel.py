@@ -98,6 +98,20 @@ def test_scalar_prefetch_index_maps_and_guarded_dots():
     assert cost.flops == 5 * 2 * 8 * 128 * 128  # only the five steps where pl.when holds
 
 
+def _copies_call(kernel, buf_rows, n_chunks, x):
+    """``kernel(n_ref, x_hbm, o_ref, buf, sem)`` in one grid step: x left in HBM, a [16, 128] f32 output
+    block, a [buf_rows, 128] f32 VMEM buffer and a DMA semaphore."""
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(1,),
+            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=pl.BlockSpec((16, 128), lambda i, n: (0, 0)),
+            scratch_shapes=[pltpu.VMEM((buf_rows, 128), jnp.float32), pltpu.SemaphoreType.DMA]),
+        out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32),
+    )(n_chunks, x)
+
+
 def _manual_copies(n_chunks, x):
     """Copies the first n_chunks[0] chunks of 16 rows from HBM with make_async_copy, one by one."""
 
@@ -112,15 +126,7 @@ def _manual_copies(n_chunks, x):
         o_ref[...] = jnp.zeros_like(o_ref)
         jax.lax.fori_loop(0, n_ref[0], body, 0)
 
-    return pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(1,),
-            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=pl.BlockSpec((16, 128), lambda i, n: (0, 0)),
-            scratch_shapes=[pltpu.VMEM((16, 128), jnp.float32), pltpu.SemaphoreType.DMA]),
-        out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32),
-    )(n_chunks, x)
+    return _copies_call(kernel, 16, n_chunks, x)
 
 
 @pytest.mark.parametrize("n", [0, 3, 7])
@@ -206,15 +212,7 @@ def _chunks_started_by_an_inner_loop(n_chunks, x):
         o_ref[...] = jnp.zeros_like(o_ref)
         jax.lax.fori_loop(0, n_ref[0], body, 0)
 
-    return pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1, grid=(1,),
-            in_specs=[pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=pl.BlockSpec((16, 128), lambda i, n: (0, 0)),
-            scratch_shapes=[pltpu.VMEM((32, 128), jnp.float32), pltpu.SemaphoreType.DMA]),
-        out_shape=jax.ShapeDtypeStruct((16, 128), jnp.float32),
-    )(n_chunks, x)
+    return _copies_call(kernel, 32, n_chunks, x)
 
 
 def test_a_loop_that_only_starts_copies_is_work_of_the_step_that_waits():
