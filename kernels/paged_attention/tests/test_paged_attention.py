@@ -16,6 +16,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_hub.verify import compile_for_tpu, interpret
+from pallas_hub.verify.introspect import pallas_calls
 
 STATIC = ("scale", "window", "softcap", "block_q", "block_kv")
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2.5e-2}
@@ -811,8 +812,6 @@ def test_write_and_attend_is_write_kv_then_attention(load_kernel, name, mode):
 def test_write_and_attend_batch_rule(load_kernel, monkeypatch):
     """More than FUSED_WRITE_MAX_SEQS sequences take the two calls, except on FUSED_WRITE_ANY_BATCH_CHIPS with a
     cache of q's dtype (one kernel: the same caches and output); a quantized cache takes the two there too."""
-    from pallas_hub.verify.introspect import pallas_calls
-
     k = load_kernel("paged_attention")
     q_lens, kv_lens = [1] * 8 + [5], [3, 17, 40, 16, 33, 5, 64, 2, 30]
     q, kp, vp, lens, table, cu, _ = make_case(q_lens, kv_lens, hkv=2)
