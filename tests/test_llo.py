@@ -63,6 +63,46 @@ def test_loops_trips_matmuls_and_gated_work(tmp_path):
     assert llo.op_files(str(tmp_path)) == {"mm.1": str(path)}
 
 
+def _alternatives(enclosed: bool) -> str:
+    """A loop (4 trips) whose matmuls sit in two sibling predicated regions (pl.when alternatives, e.g. an
+    unmasked and a masked tile), inside one region that skips both when ``enclosed``."""
+    lines, a = ["= control target key start", "= control target key end", ""], 0
+
+    def add(text, marker="", depth=0, comment=""):
+        nonlocal a
+        lines.append(_bundle(a, text, marker, depth) + (f" /* {comment} */" if comment else ""))
+        a += 1
+
+    add("%s1 = smov 0", comment="Start region 1")
+    add("%s2 = sadd.s32 1, %s1", "LB", 1, comment="Start region 2")  # 1: the loop body starts
+    add("%p3 = scmp.eq.s32.totalorder %s2, 0", depth=1)
+    add("%4 = sbr.rel (%p3) target = $region5" if enclosed else "%s4 = smov 2", depth=1)  # 3: skips 4..11
+    add("%5 = sbr.rel (%p3) target = $region3", depth=1)  # 4: the first alternative (5..7)
+    add("%v6 = vmatmul.mubr.bf16.gmra.mxu0 %v1", depth=1)
+    add("%v7 = vmatmul.mubr.bf16.gmra.mxu1 %v1", depth=1)
+    add("%v8 = vadd.f32 %v6, %v7", depth=1)
+    add("%9 = sbr.rel (!%p3) target = $region4", depth=1, comment="Start region 3")  # 8: the second (9..10)
+    add("%v10 = vmatmul.mubr.bf16.gmra.mxu0 %v1", depth=1)
+    add("%v11 = vmul.f32 %v10, %v10", depth=1)
+    add("%s12 = smov 1", depth=1, comment="Start region 4")  # 11
+    add("%s13 = sadd.s32 1, %s12", depth=1, comment="Start region 5")  # 12
+    add("%p14 = scmp.ge.s32.totalorder %s2, 4 /* loop exit test */", depth=1, comment="Start region 6")
+    add("%15 = sbr.rel (!%p14) target = $region2", depth=1)
+    add("", depth=1)
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("enclosed,gated", [(False, 3 + 2), (True, 12 - 4)])
+def test_gated_work_of_sibling_alternatives(tmp_path, enclosed, gated):
+    """Matmuls in sibling predicated regions (a step runs one of them) are gated work, both regions'
+    bundles and no more; a region holding them all is the gated work (the smallest such)."""
+    path = tmp_path / "1-alt.1-02-final_bundles.txt"
+    path.write_text(_alternatives(enclosed))
+    (loop,) = llo.analyse(llo.read_bundles(str(path)))["loops"]
+    assert (loop["start"], loop["trips"], loop["vmatmul_all"]) == (1, 4, 3)
+    assert loop["gated"] == gated
+
+
 HLO = """HloModule jit_f, is_scheduled=true
 
 %fused_computation.1 (param_0: bf16[64,128], param_1: s32[4], param_2: bf16[4,128]) -> bf16[64,128] {

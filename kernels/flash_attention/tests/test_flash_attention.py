@@ -364,3 +364,31 @@ def test_causal_diagonal_in_slabs(fa, monkeypatch, extra):
         monkeypatch.setattr(fa.pallas, "_tile_on_diagonal", lambda *a, **k: jnp.bool_(True))
         with pytest.raises(AssertionError):
             _check_forward(fa, b, 8, 2, 1100, 1100, 64, block_q=512, block_k=1024, **extra)
+
+
+def test_aligned_diagonal_masks_only_the_triangle(fa, monkeypatch):
+    """A diagonal tile aligned with its q block (first key at the first query's position, no padding) masks
+    only each slab's last block of keys, by the static causal triangle; any other diagonal tile keeps its
+    positions. The rule on concrete sequences, then its effect: forced on a chunked prefill and left padding
+    (queries see keys before the triangle they should not, or miss the offset) the check fails; forced off,
+    a whole prefill takes the general diagonal and still matches."""
+    aligned = functools.partial(fa.pallas._diagonal_aligned, bq=512)
+    whole, chunked, padded = (np.asarray(s, np.int32) for s in ([0, 1100, 1100], [0, 1100, 700], [37, 1000, 1000]))
+    assert bool(aligned(whole, 0, 0, 0)) and bool(aligned(whole, 0, 1, 512))
+    assert not aligned(whole, 0, 2, 1024)  # the ragged last q block: rows past q_len
+    assert not aligned(chunked, 0, 0, 0) and not aligned(chunked, 0, 0, 512)  # queries start at position 400
+    assert not aligned(padded, 0, 0, 0)  # keys before kv_start
+    _check_forward(fa, 1, 8, 2, 1100, 1100, 64, dtype=jnp.bfloat16, block_q=512, block_k=1024)
+    monkeypatch.setattr(fa.pallas, "_diagonal_aligned", lambda *a, **k: jnp.bool_(False))
+    _check_forward(fa, 1, 8, 2, 1100, 1100, 64, block_q=512, block_k=1024)
+    monkeypatch.setattr(fa.pallas, "_diagonal_aligned", lambda *a, **k: jnp.bool_(True))
+    for seq in ([[0, 1100, 700]], [[37, 1000, 1000]]):
+        with pytest.raises(AssertionError):
+            _check_forward(fa, 1, 8, 2, 1100, 1100, 64, block_q=512, block_k=1024, seq=seq)
+
+
+@pytest.mark.parametrize("scale", [0.3, -0.2])
+def test_keys_major_scale_deferred_to_the_step(fa, scale):
+    """Keys-major, the step scales unscaled dots (the max of the dots times the scale): a positive scale there,
+    a negative one (whose scaled max is the dots' minimum) scaled before the max, both against the reference."""
+    _check_forward(fa, 1, 4, 2, 600, 600, 64, block_q=512, block_k=512, scale=scale)

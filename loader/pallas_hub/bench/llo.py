@@ -15,7 +15,8 @@ one issue cycle. This module turns such a file into the numbers the cost model n
   16 packed bf16 rows against an MXU-wide square of weights: the MXU's unit of work, so MXU
   efficiency follows the tile shape), DMA starts, and ``gated``: the own bundles of the smallest
   predicated region (a forward branch: ``pl.when``, a skipped pipeline stage) that holds every own
-  vmatmul, i.e. the work that is skipped when the loop's matmuls are.
+  vmatmul, i.e. the work that is skipped when the loop's matmuls are; where no one region does, the
+  outermost regions that hold some (alternatives: sibling ``pl.when`` bodies, of which a step runs one).
 
 ``flags(dump_dir)`` gives the LIBTPU_INIT_ARGS; libtpu reads them once, when it loads, so the
 compile must run in a fresh process (``bench.compiled`` does that).
@@ -23,6 +24,7 @@ compile must run in a fresh process (``bench.compiled`` does that).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import glob
 import os
@@ -97,6 +99,18 @@ def _trip_count(bundles: list[str], branch: int, target: int, pred: str) -> int 
     return None
 
 
+def _gating(forward: list[tuple[int, int]], lp: "Loop", mm: list[int]) -> list[tuple[int, int]]:
+    """The predicated regions of loop ``lp`` that gate its matmuls (bundles ``mm``, sorted): the smallest
+    one holding them all; else (alternatives, e.g. a masked and an unmasked tile in sibling ``pl.when``
+    regions) the outermost regions that hold any."""
+    regions = [(a, b) for a, b in forward if lp.start <= a and b <= lp.end + 1]
+    whole = [r for r in regions if r[0] <= mm[0] and mm[-1] < r[1]]
+    if whole:
+        return [min(whole, key=lambda r: r[1] - r[0])]
+    holding = [r for r in regions if bisect.bisect_left(mm, r[1]) > bisect.bisect_left(mm, r[0])]
+    return [r for r in holding if not any(o != r and o[0] <= r[0] and r[1] <= o[1] for o in holding)]
+
+
 def analyse(bundles: list[str]) -> dict:
     """Loops (nested), their own bundles, vmatmul, gated work and DMA starts; and the straight-line rest."""
     region_at: dict[int, int] = {}
@@ -151,10 +165,7 @@ def analyse(bundles: list[str]) -> dict:
         lp.dma_starts = sum(dmas[k] for k in own)
         mm = [k for k in own if mxu[k]]
         if mm:
-            inside = [(a, b) for a, b in forward if lp.start <= a and b <= lp.end + 1 and a <= mm[0] and mm[-1] < b]
-            if inside:
-                a, b = min(inside, key=lambda r: r[1] - r[0])
-                lp.gated = sum(1 for k in range(a, b) if k in own_set)
+            lp.gated = len(own_set.intersection(k for a, b in _gating(forward, lp, mm) for k in range(a, b)))
 
     for lp in roots:
         fill(lp)

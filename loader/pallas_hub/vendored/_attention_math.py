@@ -94,31 +94,40 @@ def exp_dtype(dtype, chip: str | None):
 
 def scores_keys_major(k, q, *, scale: float, softcap: float | None):
     """Logits transposed and in base 2: log2(e) * scores(q, k) as [k, q] f32 (keys on sublanes,
-    queries on lanes), so that exp2 of them needs no extra multiply (TPUs compute exp as exp2)."""
-    s = jax.lax.dot_general(k, q, (((k.ndim - 1,), (q.ndim - 1,)), ((), ())), preferred_element_type=jnp.float32)
+    queries on lanes), so that exp2 of them needs no extra multiply (TPUs compute exp as exp2).
+    Without a soft-cap, ``dots_keys_major`` and the step's ``t_scale`` defer the multiply."""
+    s = dots_keys_major(k, q)
     if softcap is None:
         return s * (scale * LOG2E)
     return (softcap * LOG2E) * jnp.tanh(s * (scale / softcap))
 
 
-def online_softmax_step_keys_major(m, acc, t, ok, vt, *, exp_dtype=jnp.float32):
+def dots_keys_major(k, q):
+    """k @ q^T as [k, q] f32: logits before any scale."""
+    return jax.lax.dot_general(k, q, (((k.ndim - 1,), (q.ndim - 1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def online_softmax_step_keys_major(m, acc, t, ok, vt, *, exp_dtype=jnp.float32, t_scale: float = 1.0):
     """online_softmax_step with keys on sublanes and queries on lanes, in base 2.
 
-    Folds logits ``t`` [k, q] (log2 units: ``scores_keys_major``; ``ok`` masks them, None: every pair
-    may attend) and ``vt`` [d + r, k] into the running max ``m`` [1, q] and the f32 accumulator
+    Folds logits ``t`` [k, q] (log2 units: ``scores_keys_major``; or t_scale times them: unscaled dots and
+    the scale, applied in the exp2's argument, with no pass of its own over the tile; ``ok`` masks them, None:
+    every pair may attend) and ``vt`` [d + r, k] into the running max ``m`` [1, q] and the f32 accumulator
     ``acc`` [d + r, q]. ``vt`` is V^T with r rows of ones below it: the MXU computes the softmax
     denominator (row d of ``acc``) alongside (P @ V)^T, from the same rounded p, so no row sum is
     left to the vector units; per-query statistics are lane-dense rows and the reductions run over
     sublanes (no cross-lane work). ``exp_dtype`` bfloat16 evaluates exp2 at bf16 (chips with a
     bf16 EUP): p is rounded to bf16 for the MXU anyway, and the argument's own rounding costs at
-    most ~2^-9 / e of the largest weight."""
+    most ~2^-9 / e of the largest weight. Unscaled logits (``t_scale``) masked to MASK_VALUE by the
+    caller need a real key of each query in the tile (its m_new real: they get weight 0)."""
     if ok is not None:  # masked logits become MASK_VALUE exactly: exp2 of them is 0 once m_new is real
-        t = jnp.where(ok, t, MASK_VALUE)
-    m_new = jnp.maximum(m, t.max(axis=0, keepdims=True))
+        t, t_scale = jnp.where(ok, t * t_scale if t_scale != 1 else t, MASK_VALUE), 1.0
+    t_max = t.max(axis=0, keepdims=True)
+    m_new = jnp.maximum(m, t_max * t_scale if t_scale != 1 else t_max)
     # A query with nothing allowed yet keeps m_new = MASK_VALUE and takes weight 1 for its masked
     # keys: the next real key scales that away (alpha = 0), and finalize_keys_major empties a query
     # that never saw one, so no second select is needed here.
-    p = jnp.exp2((t - m_new).astype(exp_dtype))
+    p = jnp.exp2(((t * t_scale if t_scale != 1 else t) - m_new).astype(exp_dtype))
     pv = jax.lax.dot_general(vt, p.astype(vt.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return m_new, jnp.exp2(m - m_new) * acc + pv
 

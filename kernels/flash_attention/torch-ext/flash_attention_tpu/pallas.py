@@ -288,7 +288,23 @@ def _tile_full(seq_ref, b, qi, col0, cols, *, bq, causal, window):
 # model (layer us, v5e / v6e / TPU7x, at 1024 x 4096 blocks on v6e and TPU7x): Qwen3 2k 334.1 / 155.4 /
 # 123.7 -> 266.4 / 128.8 / 102.4, 8k 3836.3 / 1693.6 / 1304.4 -> 3586.5 / 1666.9 / 1270.9; Gemma-3 (d 256)
 # 2k 144.9 / 52.7 / 43.9 -> 111.6 / 45.5 / 38.2, 8k 1664.8 / 512.1 / 391.2 -> 1531.7 / 513.9 / 385.8.
+# An aligned diagonal (its first key at the block's first query's position, no padding in it: every q block of a
+# whole causal prefill) needs no positions: each slab sees every key before its own last DIAGONAL_SLAB, which
+# takes the static causal triangle (``_diagonal_aligned``). Cost model, layer us (v6e / TPU7x, at the ring
+# below with q scaled): Qwen3 8k 1405.2 / 1093.1 -> 1380.1 / 1076.0.
 DIAGONAL_SLAB = 256
+
+# Keys-major, each item's logits are written to a ring of SCORES_AHEAD + 1 tiles in VMEM scratch, SCORES_AHEAD
+# items ahead of its softmax step, which reads them back. As values, a tile of logits (1024 x 1024 f32: 1024
+# vregs) is the compiler's to spill, and it spilled each stage of the step (the dots, scaled, minus the max,
+# their exp2) to VMEM and back: v6e, Qwen3 8k, an unmasked tile for 8 heads issued 18630 bundles, 3.0 stores and
+# 3.4 loads a vreg of logits (2 store slots a bundle: 12270 bundles of stores) for 3200 vmatmuls (12800 MXU
+# cycles). The ring holds the unscaled dots: the scale joins the exp2's argument (``t_scale``), no pass of its
+# own. Cost model, layer us (v6e / TPU7x): Qwen3 8k 1666.9 / 1270.9 -> 1571.9 / 1202.7 (a ring of 2, scaled
+# dots) -> 1429.8 / 1119.5 (unscaled, 2 ahead, the aligned diagonal); 2k 128.8 / 102.4 -> 112.5 / 92.1; Gemma-3
+# 8k 513.9 / 385.8 -> 470.5 / 360.0. Scaling q instead (rounded to bf16) ran 3.5% faster but doubled the error of
+# bf16 outputs (mean 0.0007 -> 0.0015, max 0.009 -> 0.030 at logits of std 4); 3 ahead gained under 1.5%.
+SCORES_AHEAD = 2
 
 
 def _diagonal_slabs(bq, bkc, causal):
@@ -303,6 +319,15 @@ def _tile_on_diagonal(seq_ref, b, qi, col0, *, bq):
     (causal) the queries of slab s see none of its keys from (s + 1) * DIAGONAL_SLAB on."""
     kv_end, q_len = seq_ref[3 * b + 1], seq_ref[3 * b + 2]
     return col0 >= kv_end - q_len + qi * bq
+
+
+def _diagonal_aligned(seq_ref, b, qi, col0, *, bq):
+    """Is the diagonal's tile at key col0 (bq keys) aligned with q block qi (scalar): its first key at the
+    block's first query's position, all of its keys and queries real. Then causality alone masks it, and
+    only within each slab's last block of keys (the triangle)."""
+    kv_start, kv_end, q_len = seq_ref[3 * b], seq_ref[3 * b + 1], seq_ref[3 * b + 2]
+    return ((col0 == kv_end - q_len + qi * bq) & (col0 >= kv_start) & (col0 + bq <= kv_end)
+            & (qi * bq + bq <= q_len))
 
 
 def _rows(x, start, n, ragged):
@@ -330,8 +355,11 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
     o_ref = refs.pop(0)
     lse_ref = refs.pop(0) if with_lse else None
     keys_major = _keys_major(bq)
-    m_sc, acc_sc = refs[0], refs[-1]
-    l_sc = None if keys_major else refs[1]
+    if keys_major:
+        m_sc, acc_sc, s_sc = refs
+        l_sc = None
+    else:
+        m_sc, l_sc, acc_sc = refs
     b, h, t = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     step = b * n_items + t
     qi, kj, flags = outer_ref[step], inner_ref[step], flags_ref[step]
@@ -353,7 +381,9 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
         needed = ((flags & COMPUTE) != 0) & _tile_needed(seq_ref, b, qi, col0, bkc, bq=bq, causal=causal,
                                                           window=window)
 
-        def compute(masked, c=c, col0=col0, slabs=0):
+        def compute(masked, c=c, col0=col0, slabs=0, triangle=False):
+            """The tile's work: unmasked, ``masked`` (its positions' mask), or (``triangle``, an aligned
+            diagonal's slabs) each slab's last ``size`` keys masked by the causal triangle alone."""
             tile = pl.ds(c * bkc, bkc)
             # a head's work comes in items: its whole q block against the tile, or (``slabs``, the diagonal's
             # tile) slab n of it, queries [n size, (n + 1) size) against the tile's first keys(n) keys
@@ -376,9 +406,11 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
                 vt = jnp.concatenate([v.T, jnp.ones((am.ONES_ROWS, bkc), v.dtype)], axis=0)
 
             # The G query heads of this KV group share the K/V tile. Keys-major, the items of `per` heads an
-            # iteration as a software pipeline: item x + 1's scores are issued before item x's softmax step, so
-            # the scheduler runs one item's matmuls under another's vector work (one basic block).
+            # iteration as a software pipeline: item x + SCORES_AHEAD's scores are issued before item x's softmax
+            # step, so the scheduler runs some items' matmuls under another's vector work (one basic block).
             per = heads_per_iteration if keys_major else 1
+            # the scale deferred to the step (the max of unscaled dots is the scaled max only for a positive scale)
+            t_scale = scale * am.LOG2E if softcap is None and scale > 0 else 1.0
 
             def heads(i, carry):
                 if not keys_major:  # one head an iteration
@@ -387,17 +419,29 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
                     return carry
                 items = [(i * per + j, n) for j in range(per) for n in range(slabs or 1)]
 
-                def scores(g, n):
-                    return am.scores_keys_major(k[:keys(n)], q_ref[g, pl.ds(n * size, size), :], scale=scale,
-                                                softcap=softcap)
+                def scores(g, n):  # the unscaled dots where the step scales them (t_scale)
+                    q = q_ref[g, pl.ds(n * size, size), :]
+                    if t_scale != 1:
+                        return am.dots_keys_major(k[:keys(n)], q)
+                    return am.scores_keys_major(k[:keys(n)], q, scale=scale, softcap=softcap)
 
-                t = scores(*items[0])
+                def issue(y):  # item y's scores into its slot of the ring
+                    s_sc[y % len(s_sc), :keys(items[y][1]), :size] = scores(*items[y])
+
+                for y in range(min(SCORES_AHEAD, len(items))):
+                    issue(y)
                 for x, (g, n) in enumerate(items):
-                    t_next = scores(*items[x + 1]) if x + 1 < len(items) else None
+                    if x + SCORES_AHEAD < len(items):
+                        issue(x + SCORES_AHEAD)
+                    t = s_sc[x % len(s_sc), :keys(n), :size]
+                    if triangle:  # key j of the slab's last block is seen by its queries i >= j
+                        tri = (jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
+                               <= jax.lax.broadcasted_iota(jnp.int32, (size, size), 1))
+                        diag = jnp.where(tri, t[n * size:], am.MASK_VALUE)
+                        t = jnp.concatenate([t[:n * size], diag], axis=0) if n else diag
                     lanes = pl.ds(n * size, size)
                     m_sc[g, :, lanes], acc_sc[g, :, lanes] = am.online_softmax_step_keys_major(
-                        m_sc[g, :, lanes], acc_sc[g, :, lanes], t, positions(n), vt[:, :keys(n)])
-                    t = t_next
+                        m_sc[g, :, lanes], acc_sc[g, :, lanes], t, positions(n), vt[:, :keys(n)], t_scale=t_scale)
                 return carry
 
             jax.lax.fori_loop(0, groups // per, heads, 0)
@@ -408,7 +452,12 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
             masked = needed & jnp.logical_not(full)
             if slabs := _diagonal_slabs(bq, bkc, causal):
                 diagonal = _tile_on_diagonal(seq_ref, b, qi, col0, bq=bq)
-                pl.when(masked & diagonal)(functools.partial(compute, True, slabs=slabs))
+                general = masked & diagonal
+                if window is None:
+                    aligned = _diagonal_aligned(seq_ref, b, qi, col0, bq=bq)
+                    pl.when(general & aligned)(functools.partial(compute, False, slabs=slabs, triangle=True))
+                    general &= jnp.logical_not(aligned)
+                pl.when(general)(functools.partial(compute, True, slabs=slabs))
                 masked &= jnp.logical_not(diagonal)
             pl.when(masked)(functools.partial(compute, True))
         else:
@@ -593,7 +642,8 @@ def _forward(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap, block
                                       lambda bb, h, t, o, i, f, s: (bb, h, 0, o[bb * n_items + t], 0)))
         out_shape.append(jax.ShapeDtypeStruct((b, hkv, g, sq, LANES), jnp.float32))
     if _keys_major(bq):
-        scratch = [pltpu.VMEM((g, 1, bq), jnp.float32), pltpu.VMEM((g, d + am.ONES_ROWS, bq), jnp.float32)]
+        scratch = [pltpu.VMEM((g, 1, bq), jnp.float32), pltpu.VMEM((g, d + am.ONES_ROWS, bq), jnp.float32),
+                   pltpu.VMEM((SCORES_AHEAD + 1, _compute_tile(bq, bk), bq), jnp.float32)]
     else:
         scratch = [pltpu.VMEM((g, bq, 1), jnp.float32), pltpu.VMEM((g, bq, 1), jnp.float32),
                    pltpu.VMEM((g, bq, d), jnp.float32)]
