@@ -392,3 +392,16 @@ def test_keys_major_scale_deferred_to_the_step(fa, scale):
     """Keys-major, the step scales unscaled dots (the max of the dots times the scale): a positive scale there,
     a negative one (whose scaled max is the dots' minimum) scaled before the max, both against the reference."""
     _check_forward(fa, 1, 4, 2, 600, 600, 64, block_q=512, block_k=512, scale=scale)
+
+
+def test_logits_ring_sized_to_vmem(fa, monkeypatch):
+    """The keys-major logits ring takes SCORES_AHEAD + 1 slots where they fit the chip's VMEM limit, else 2:
+    Qwen3-235B (G = 16) 2k on TPU7x needs the smaller ring (3 slots overflowed its 48 MiB), Qwen3 (G = 8) keeps
+    3. Each depth matches the reference, on a causal diagonal in slabs and ragged blocks."""
+    P = fa.pallas
+    vmem = P.CHIP_BLOCKS["tpu7x"][3]
+    assert P._ring_slots(16, 1024, 2048, 128, 2, vmem) == 2
+    assert P._ring_slots(8, 1024, 4096, 128, 2, vmem) == P.SCORES_AHEAD + 1 == 3
+    for slots in (2, 3, 4):
+        monkeypatch.setattr(P, "_ring_slots", lambda *a, slots=slots: slots)
+        _check_forward(fa, 1, 8, 2, 1100, 1100, 64, dtype=jnp.bfloat16, block_q=512, block_k=1024)

@@ -291,20 +291,34 @@ def _tile_full(seq_ref, b, qi, col0, cols, *, bq, causal, window):
 # An aligned diagonal (its first key at the block's first query's position, no padding in it: every q block of a
 # whole causal prefill) needs no positions: each slab sees every key before its own last DIAGONAL_SLAB, which
 # takes the static causal triangle (``_diagonal_aligned``). Cost model, layer us (v6e / TPU7x, at the ring
-# below with q scaled): Qwen3 8k 1405.2 / 1093.1 -> 1380.1 / 1076.0.
+# below with q scaled, tiles unrolled): Qwen3 8k 1405.2 / 1093.1 -> 1380.1 / 1076.0.
 DIAGONAL_SLAB = 256
 
-# Keys-major, each item's logits are written to a ring of SCORES_AHEAD + 1 tiles in VMEM scratch, SCORES_AHEAD
-# items ahead of its softmax step, which reads them back. As values, a tile of logits (1024 x 1024 f32: 1024
-# vregs) is the compiler's to spill, and it spilled each stage of the step (the dots, scaled, minus the max,
-# their exp2) to VMEM and back: v6e, Qwen3 8k, an unmasked tile for 8 heads issued 18630 bundles, 3.0 stores and
-# 3.4 loads a vreg of logits (2 store slots a bundle: 12270 bundles of stores) for 3200 vmatmuls (12800 MXU
-# cycles). The ring holds the unscaled dots: the scale joins the exp2's argument (``t_scale``), no pass of its
-# own. Cost model, layer us (v6e / TPU7x): Qwen3 8k 1666.9 / 1270.9 -> 1571.9 / 1202.7 (a ring of 2, scaled
-# dots) -> 1429.8 / 1119.5 (unscaled, 2 ahead, the aligned diagonal); 2k 128.8 / 102.4 -> 112.5 / 92.1; Gemma-3
-# 8k 513.9 / 385.8 -> 470.5 / 360.0. Scaling q instead (rounded to bf16) ran 3.5% faster but doubled the error of
-# bf16 outputs (mean 0.0007 -> 0.0015, max 0.009 -> 0.030 at logits of std 4); 3 ahead gained under 1.5%.
+# Keys-major, each item's logits are written to a ring of tiles in VMEM scratch, up to SCORES_AHEAD items ahead
+# of its softmax step, which reads them back. As values, a tile of logits (1024 x 1024 f32: 1024 vregs) is the
+# compiler's to spill, and it spilled each stage of the step (the dots, scaled, minus the max, their exp2) to VMEM
+# and back: v6e, Qwen3 8k, an unmasked tile for 8 heads issued 18630 bundles, 3.0 stores and 3.4 loads a vreg of
+# logits (2 store slots a bundle: 12270 bundles of stores) for 3200 vmatmuls (12800 MXU cycles). The ring holds
+# the unscaled dots: the scale joins the exp2's argument (``t_scale``), no pass of its own. Scaling q instead
+# (rounded to bf16) ran 3.5% faster but doubled the error of bf16 outputs (mean 0.0007 -> 0.0015, max 0.009 ->
+# 0.030 at logits of std 4); 3 ahead gained under 1.5%. Cost model, layer us (v5e / v6e / TPU7x), the ring with
+# the aligned diagonal and the key-tile loop: Qwen3 2k 266.4 / 128.8 / 102.4 -> 229.9 / 115.4 / 94.2, 8k 3586.5 /
+# 1666.9 / 1270.9 -> 3179.1 / 1450.3 / 1134.8; Qwen3-235B 8k 7022.9 / 3272.4 / 2471.0 -> 6268.1 / 2837.5 / 2329.0
+# (TPU7x: a ring of 2); Gemma-3 (G = 2, d 256) 8k 1531.7 / 513.9 / 385.8 -> 1541.3 / 483.4 / 372.8.
 SCORES_AHEAD = 2
+# The ring has SCORES_AHEAD + 1 slots where they fit in the VMEM limit beside the blocks and scratch with
+# VMEM_HEADROOM left for the compiler's own, else 2 (one item ahead). Measured: Qwen3-235B 2k on TPU7x (G = 16,
+# 1024 x 2048 blocks, bf16, 3 slots): 39.5 MiB of blocks and scratch, the compiler asked for 49.0 MiB.
+VMEM_HEADROOM = 12 << 20
+DEFAULT_SCOPED_VMEM = 16 << 20  # the compiler's default limit where the chip sets none (v5e's, the smallest)
+
+
+def _ring_slots(g, bq, bk, d, itemsize, vmem):
+    """Slots of the keys-major logits ring (``SCORES_AHEAD``) for q blocks of g x bq rows and K/V blocks of bk."""
+    blocks = 2 * (2 * g * bq + 2 * bk) * d * itemsize  # q, out, k and v, double-buffered
+    scratch = 4 * g * bq * (8 + d + am.ONES_ROWS)  # the running max (a sublane tile a head) and acc, f32
+    ring = (SCORES_AHEAD + 1) * 4 * _compute_tile(bq, bk) * bq
+    return SCORES_AHEAD + 1 if blocks + scratch + ring + VMEM_HEADROOM <= (vmem or DEFAULT_SCOPED_VMEM) else 2
 
 
 def _diagonal_slabs(bq, bkc, causal):
@@ -376,15 +390,17 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
     # (keys-major, a little of it: its slabs, ``DIAGONAL_SLAB``).
     # Only tiles that some (row, key) pair of cannot attend build and apply a mask (the diagonal, the
     # padding edges, a given mask); the others, most of a long prefill, run the unmasked body.
-    for c in range(bk // bkc):
+    # The tiles are a loop, not unrolled: each kind of tile is compiled once, not once per tile of the block
+    # (compile seconds for 8k causal on v6e, Qwen3 ~100 -> 40, Qwen3-235B ~250 -> 90).
+    def key_tile(c, carry):
         col0 = kj * bk + c * bkc
         needed = ((flags & COMPUTE) != 0) & _tile_needed(seq_ref, b, qi, col0, bkc, bq=bq, causal=causal,
                                                           window=window)
 
-        def compute(masked, c=c, col0=col0, slabs=0, triangle=False):
+        def compute(masked, slabs=0, triangle=False):
             """The tile's work: unmasked, ``masked`` (its positions' mask), or (``triangle``, an aligned
             diagonal's slabs) each slab's last ``size`` keys masked by the causal triangle alone."""
-            tile = pl.ds(c * bkc, bkc)
+            tile = pl.ds(pl.multiple_of(c * bkc, bkc), bkc)
             # a head's work comes in items: its whole q block against the tile, or (``slabs``, the diagonal's
             # tile) slab n of it, queries [n size, (n + 1) size) against the tile's first keys(n) keys
             size = bq // slabs if slabs else bq
@@ -406,8 +422,8 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
                 vt = jnp.concatenate([v.T, jnp.ones((am.ONES_ROWS, bkc), v.dtype)], axis=0)
 
             # The G query heads of this KV group share the K/V tile. Keys-major, the items of `per` heads an
-            # iteration as a software pipeline: item x + SCORES_AHEAD's scores are issued before item x's softmax
-            # step, so the scheduler runs some items' matmuls under another's vector work (one basic block).
+            # iteration as a software pipeline: item x + ahead's scores are issued before item x's softmax step,
+            # so the scheduler runs some items' matmuls under another's vector work (one basic block).
             per = heads_per_iteration if keys_major else 1
             # the scale deferred to the step (the max of unscaled dots is the scaled max only for a positive scale)
             t_scale = scale * am.LOG2E if softcap is None and scale > 0 else 1.0
@@ -426,14 +442,15 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
                     return am.scores_keys_major(k[:keys(n)], q, scale=scale, softcap=softcap)
 
                 def issue(y):  # item y's scores into its slot of the ring
-                    s_sc[y % len(s_sc), :keys(items[y][1]), :size] = scores(*items[y])
+                    s_sc[y % slots, :keys(items[y][1]), :size] = scores(*items[y])
 
-                for y in range(min(SCORES_AHEAD, len(items))):
+                slots = s_sc.shape[0]
+                for y in range(min(slots - 1, len(items))):
                     issue(y)
                 for x, (g, n) in enumerate(items):
-                    if x + SCORES_AHEAD < len(items):
-                        issue(x + SCORES_AHEAD)
-                    t = s_sc[x % len(s_sc), :keys(n), :size]
+                    if x + slots - 1 < len(items):
+                        issue(x + slots - 1)
+                    t = s_sc[x % slots, :keys(n), :size]
                     if triangle:  # key j of the slab's last block is seen by its queries i >= j
                         tri = (jax.lax.broadcasted_iota(jnp.int32, (size, size), 0)
                                <= jax.lax.broadcasted_iota(jnp.int32, (size, size), 1))
@@ -462,6 +479,9 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
             pl.when(masked)(functools.partial(compute, True))
         else:
             pl.when(needed)(functools.partial(compute, True))
+        return carry
+
+    jax.lax.fori_loop(0, bk // bkc, key_tile, 0)
 
     @pl.when((flags & LAST) != 0)
     def _finalize():
@@ -643,7 +663,8 @@ def _forward(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap, block
         out_shape.append(jax.ShapeDtypeStruct((b, hkv, g, sq, LANES), jnp.float32))
     if _keys_major(bq):
         scratch = [pltpu.VMEM((g, 1, bq), jnp.float32), pltpu.VMEM((g, d + am.ONES_ROWS, bq), jnp.float32),
-                   pltpu.VMEM((SCORES_AHEAD + 1, _compute_tile(bq, bk), bq), jnp.float32)]
+                   pltpu.VMEM((_ring_slots(g, bq, bk, d, q.dtype.itemsize, vmem), _compute_tile(bq, bk), bq),
+                              jnp.float32)]
     else:
         scratch = [pltpu.VMEM((g, bq, 1), jnp.float32), pltpu.VMEM((g, bq, 1), jnp.float32),
                    pltpu.VMEM((g, bq, d), jnp.float32)]
