@@ -428,13 +428,17 @@ def _body(eqn):
     return _jaxpr_of(eqn.params["body_jaxpr" if eqn.primitive.name == "while" else "jaxpr"])
 
 
+_STARTS_AND_WAITS = {"dma_start", "dma_wait"}
+
+
 def _is_pipeline_loop(eqn) -> bool:
     """A software pipeline's loop: its iterations start DMAs and wait for them, and no inner loop does both.
-    Each iteration is a step. A loop that only starts copies (a page loop issuing a chunk's DMAs) is issue
+    Each iteration is a step. A loop that only starts copies (e.g. one issuing a page's DMAs a trip) is issue
     work inside the step that waits for them."""
-    if eqn.primitive.name not in _LOOPS or len(_dma_ops(_body(eqn))) < 2:
+    if eqn.primitive.name not in _LOOPS or _dma_ops(_body(eqn)) != _STARTS_AND_WAITS:
         return False
-    return not any(e.primitive.name in _LOOPS and len(_dma_ops(_body(e))) == 2 for e in introspect.walk(_body(eqn)))
+    return not any(e.primitive.name in _LOOPS and _dma_ops(_body(e)) == _STARTS_AND_WAITS
+                   for e in introspect.walk(_body(eqn)))
 
 
 _CALL_PARAMS = {"pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",

@@ -485,13 +485,13 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
                 for src, dst, sem in ((k_hbm, kbuf, sems.at[0, slot]), (v_hbm, vbuf, sems.at[1, slot])):
                     pltpu.make_async_copy(src.at[pid, pl.ds(at * hkv, size * hkv)],
                                           dst.at[slot, pl.ds((j * page + at) * hkv, size * hkv)], sem).start()
-            _start_pieces(part, page - write, piece)  # with write, part < page
+            _start_pieces(part, page - 1 if write else page, piece)  # with write, part < page
         if not write:
             return
         offset = it_plan["offset"]
 
         # the new tokens the chunk holds, from new_k/new_v
-        a, b, _ = new_span(it_plan, c)
+        a, b = new_span(it_plan, c)
 
         def piece(at, size):
             src_row = (it_plan["q_start"] + a - offset + at) * hkv
@@ -501,12 +501,10 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
         _start_pieces(b - a, min(chunk, new_tokens), piece)
 
     def new_span(it_plan, c):
-        """Positions [a, b) of the sequence's new tokens that chunk c holds and the item sees, and how many
-        tokens before them the chunk copies from the cache (write)."""
+        """Positions [a, b) of the sequence's new tokens that chunk c holds and the item sees (write)."""
         _, _, start, end = chunk_span(it_plan, c)
         a = jnp.maximum(it_plan["offset"], start)
-        b = jnp.maximum(jnp.minimum(it_plan["kv_end"], end), a)
-        return a, b, jnp.clip(it_plan["offset"], start, end) - start
+        return a, jnp.maximum(jnp.minimum(it_plan["kv_end"], end), a)
 
     def wait_tokens(sem_of, slot):
         def wait(b):  # ``_wait_units``: b tokens of K and of V
@@ -526,12 +524,11 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
 
             _wait_units(chunk_span(it_plan, c)[1], pages_per_block, wait)
             return
-        if write:
-            a, b, cached = new_span(it_plan, c)
-            tokens = cached + b - a
-        else:
-            _, whole, _, part = cache_copies(it_plan, c)
-            tokens = whole * page + part
+        _, whole, _, part = cache_copies(it_plan, c)
+        tokens = whole * page + part
+        if write:  # and the new tokens, from new_k/new_v
+            a, b = new_span(it_plan, c)
+            tokens += b - a
         _wait_units(tokens, chunk, wait_tokens(lambda i: sems.at[i, slot], slot))
 
     def write_rows(it_plan, row, c, slot):
@@ -678,7 +675,8 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
             def _():
                 if write:
                     wait_writes(slot)
-                keys = ("first_page", "end_page") + (("offset", "kv_end", "q_start") if write else ("kv_end",) * partial)
+                keys = ("first_page", "end_page") + (
+                    ("offset", "kv_end", "q_start") if write else ("kv_end",) if partial else ())
                 target = {k: jnp.where(last, nxt_plan[k], me[k]) for k in keys}
                 start_pages(target, jnp.where(last, 1 - row, row), jnp.where(last, 0, c + 1), slot)
 
@@ -824,19 +822,18 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
             wait_writes(1)
 
 
-def _word_runs(hkv: int, itemsize: int) -> int:
-    """Strided loads per KV head: a 32-bit word holds 4 // itemsize dense rows (token, head); when Hkv
-    is a multiple of that, every token's head h sits at the same place in its word and one load takes
-    them all, else tokens t = b (mod runs) share a place and each residue b is one load."""
-    pack = 4 // itemsize
-    return 1 if hkv == 1 else pack // math.gcd(hkv, pack)
-
-
 def _word_tokens(hkv: int, itemsize: int) -> int:
-    """Fewest tokens whose dense rows (token, head) make whole 32-bit words: a DMA of rows starts and ends on
-    a word (``fuses_write``)."""
+    """Fewest tokens whose dense rows (token, head) make whole 32-bit words (4 // itemsize rows a word): a
+    DMA of rows starts and ends on a word (Mosaic; ``cache_copies``)."""
     pack = 4 // itemsize
     return pack // math.gcd(hkv, pack)
+
+
+def _word_runs(hkv: int, itemsize: int) -> int:
+    """Strided loads per KV head: when Hkv is a multiple of the rows a 32-bit word holds, every token's head h
+    sits at the same place in its word and one load takes them all, else tokens t = b (mod runs) share a
+    place and each residue b is one load: the period is ``_word_tokens`` (one head: one run, a dense load)."""
+    return 1 if hkv == 1 else _word_tokens(hkv, itemsize)
 
 
 def _head_rows(buf, slot, h, hkv, start, n, e4m3_b11: bool = False):
