@@ -11,15 +11,20 @@ def _bundle(addr, text, marker="", depth=0):
     return f"  {hex(addr) if addr else '0':>6} {marker:>2}: {'>' * depth} {{ {text} }}"
 
 
+def _builder():
+    """(lines, add): a dump's header, and add(text, marker, depth, comment) appending bundle number len - 3."""
+    lines = ["= control target key start", "= control target key end", ""]
+
+    def add(text, marker="", depth=0, comment=""):
+        lines.append(_bundle(len(lines) - 3, text, marker, depth) + (f" /* {comment} */" if comment else ""))
+
+    return lines, add
+
+
 def _program():
     """A grid loop (10 trips) whose body holds a predicated region with the matmuls, and a nested
     loop with a run-time bound (a while loop: exit test ``x != 0``)."""
-    lines, a = ["= control target key start", "= control target key end", ""], 0
-
-    def add(text, marker="", depth=0, comment=""):
-        nonlocal a
-        lines.append(_bundle(a, text, marker, depth) + (f" /* {comment} */" if comment else ""))
-        a += 1
+    lines, add = _builder()
 
     add("%s1 = smov 0")
     add("%s2 = smov 0", comment="Start region 1")
@@ -66,12 +71,7 @@ def test_loops_trips_matmuls_and_gated_work(tmp_path):
 def _alternatives(enclosed: bool) -> str:
     """A loop (4 trips) whose matmuls sit in two sibling predicated regions (pl.when alternatives, e.g. an
     unmasked and a masked tile), inside one region that skips both when ``enclosed``."""
-    lines, a = ["= control target key start", "= control target key end", ""], 0
-
-    def add(text, marker="", depth=0, comment=""):
-        nonlocal a
-        lines.append(_bundle(a, text, marker, depth) + (f" /* {comment} */" if comment else ""))
-        a += 1
+    lines, add = _builder()
 
     add("%s1 = smov 0", comment="Start region 1")
     add("%s2 = sadd.s32 1, %s1", "LB", 1, comment="Start region 2")  # 1: the loop body starts
