@@ -131,7 +131,7 @@ def chunk_rows_in_big_tiles(k, monkeypatch):
     """gmm in 64-row tiles, each group's rows in chunks of one native tile: the decode loop on small tests."""
     real = k.pallas.choose_gmm_tiling
     monkeypatch.setattr(k.pallas, "choose_gmm_tiling", lambda *a, **kw: (64, real(*a, **kw)[1]))
-    monkeypatch.setattr(k.pallas, "gmm_chunk_rows", lambda m, g, tm: 16 if tm == 64 else tm)
+    monkeypatch.setattr(k.pallas, "gmm_chunk_rows", lambda m, g, tm, chip=None: 16 if tm == 64 else tm)
     calls = []
     kernel = k.pallas._gmm_kernel
     monkeypatch.setattr(k.pallas, "_gmm_kernel", lambda *a, **kw: calls.append(kw["chunk"]) or kernel(*a, **kw))

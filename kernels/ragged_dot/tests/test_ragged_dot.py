@@ -937,24 +937,80 @@ def test_experts_op_takes_the_decode_kernel_up_to_eight_tokens(load_kernel, t, k
 
 
 def test_gmm_chunks_groups_shorter_than_its_tile(load_kernel):
-    """gmm takes a group's rows in chunks when groups average fewer rows than a tile (GPT-OSS-20B at 2048
-    tokens x top-4 over 32 experts: 256 rows an expert in 512-row tiles, 128-row chunks), whole tiles when
-    they average a tile or more (8192 tokens: 1024 rows); and the default chunks give the right rows:
-    groups straddling chunks and tiles, empty groups, rows past sum(group_sizes)."""
+    """gmm takes a group's rows in chunks of the MXU's width (GPT-OSS-20B at 2048 tokens x top-4 over 32
+    experts: 256 rows an expert in 512-row tiles), decode-sized groups in short chunks; and the default
+    chunks give the right rows: groups straddling chunks and tiles, empty groups, rows past sum(group_sizes)."""
     P = load_kernel("ragged_dot").pallas
-    assert P.gmm_chunk_rows(8192, 32, 512) == 128
-    assert P.gmm_chunk_rows(32768, 32, 512) == 512
+    assert P.gmm_chunk_rows(8192, 32, 512, "tpu7x") == 256
+    assert P.gmm_chunk_rows(8192, 32, 512, "v5e") == 128
+    assert P.gmm_chunk_rows(32768, 32, 256, "v6e") == 256  # at most the tile: one pass over it
     assert P.gmm_chunk_rows(256, 32, 64) == 32  # decode-sized groups: the short chunks
+    assert P.gmm_tails(256, 16) == (32, 64, 128) and P.gmm_tails(32, 16) == (16,) and P.gmm_tails(16, 16) == ()
     sizes, m, k, n = [0, 150, 7, 260, 0, 130], 600, 128, 256
-    assert P.gmm_chunk_rows(m, len(sizes), 256) == 128
+    assert P.gmm_chunk_rows(m, len(sizes), 512, "v5e") == 128
     ks = jax.random.split(jax.random.key(11), 2)
     lhs = jax.random.normal(ks[0], (m, k))
     rhs = 0.1 * jax.random.normal(ks[1], (len(sizes), n, k))
     gs = jnp.array(sizes, jnp.int32)
     with interpret("fast"):
-        out = P.gmm(lhs, rhs, gs, transposed=True, tm=256, tn=128)
+        out = P.gmm(lhs, rhs, gs, transposed=True, tm=512, tn=128, chip="v5e")
     _close(out, _lax(lhs, rhs, gs, True), 1e-4)
     assert not np.asarray(out)[sum(sizes):].any()
+
+
+def _tail_chunks(sizes, m, tm, chunk, sub, tails):
+    """The chunks gmm's loop takes (``_for_group_rows`` with tails), from the group sizes: "whole" where a
+    group runs a whole chunk, the row count of each tail taken, "pulled" where one is pulled back inside
+    its tile."""
+    taken, start = set(), 0
+    for size in sizes:
+        end = min(start + size, m)
+        for r in range(start, end):
+            lo = r % tm
+            if r != start and lo:
+                continue  # one piece per tile of the group
+            hi = min(end - (r - lo), tm)
+            first = min(lo // sub * sub, tm - chunk)
+            done, rest = divmod(hi - first, chunk)
+            taken |= {"whole"} if done else set()
+            if rest:
+                rows = min(t for t in tails + (chunk,) if t >= rest)
+                taken |= {rows} | ({"pulled"} if first + done * chunk + rows > tm else set())
+        start = end
+    return taken
+
+
+@pytest.mark.parametrize("variant", ["nk", "gated", "interleaved-bias"])
+@pytest.mark.parametrize("mode", ["fast", pytest.param("strict", marks=pytest.mark.strict_interpret)])
+def test_gmm_tail_chunks_match_whole_tiles(load_kernel, variant, mode):
+    """A group's last rows in gmm take the shortest tail that holds them (``gmm_tails``): 64-row tiles in
+    32-row chunks with tails of 8 and 16 rows (f32), every kind of chunk taken (whole chunks, each tail, the
+    chunk, one pulled back inside its tile), groups straddling tiles, empty groups, rows past
+    sum(group_sizes); against one pass over each whole tile and jax.lax.ragged_dot."""
+    P = load_kernel("ragged_dot").pallas
+    sizes, m, k, n = [10, 53, 0, 3, 30, 0, 70, 9, 24, 1], 250, 128, 256
+    assert P.gmm_tails(32, 8) == (8, 16)
+    assert _tail_chunks(sizes, m, 64, 32, 8, (8, 16)) == {"whole", 8, 16, 32, "pulled"}
+    ks = jax.random.split(jax.random.key(6), 3)
+    lhs = jax.random.normal(ks[0], (m, k))
+    rhs = 0.1 * jax.random.normal(ks[1], (len(sizes), n, k))
+    kw = dict(transposed=True, tm=64, tn=128)
+    if variant == "gated":
+        kw.update(activation="silu")
+    if variant == "interleaved-bias":
+        rhs = jnp.swapaxes(rhs, 1, 2)
+        kw.update(transposed=False, activation="swiglu_oai", interleaved=True,
+                  bias=0.1 * jax.random.normal(ks[2], (len(sizes), n)))
+    gs = jnp.array(sizes, jnp.int32)
+    with interpret(mode):
+        chunked = P.gmm(lhs, rhs, gs, chunk=32, **kw)
+    with interpret("fast"):
+        whole = P.gmm(lhs, rhs, gs, chunk=64, **kw)
+    assert not np.isnan(np.asarray(chunked)).any()
+    _close(chunked, whole, 1e-6)
+    assert not np.asarray(chunked)[sum(sizes):].any()
+    if variant == "nk":
+        _close(chunked, _lax(lhs, rhs, gs, True), 1e-4)
 
 
 @pytest.mark.parametrize("variant", ["kn", "nk", "gated", "interleaved-bias", "interleaved-bias-xlu"])

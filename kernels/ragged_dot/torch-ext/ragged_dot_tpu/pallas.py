@@ -128,32 +128,58 @@ def group_chunk_rows(m: int, groups: int | None) -> int:
     return 32 if avg <= 16 else 64 if avg <= 48 else 128
 
 
-def _for_group_rows(lo, hi, *, tm: int, chunk: int, sub: int, body, fresh: bool = False):
+def _for_group_rows(lo, hi, *, tm: int, chunk: int, sub: int, body, fresh: bool = False, tails: tuple = ()):
     """``body(r0)`` for chunks of ``chunk`` rows from r0 (a multiple of ``sub``, the native tile) covering
     rows [lo, hi) of a tm-row tile: from the native tile holding row lo, so a group of a few rows takes one
     chunk wherever it starts; the last chunk pulled back inside the tile (rows it repeats are written
-    again, with the same values). ``fresh``: ``body(r0, new)``, rows from r0 + new on not in an earlier chunk."""
+    again, with the same values). ``fresh``: ``body(r0, new)``, rows from r0 + new on not in an earlier chunk.
+    ``tails`` (ascending row counts under ``chunk``): ``body(r0, rows)``, whole chunks while they fit before
+    hi, then one chunk of the fewest rows (a tail, or ``chunk``) that covers the rest (``gmm_tails``)."""
     first_row = jnp.minimum(lax.div(lo, jnp.int32(sub)) * sub, tm - chunk)
+    n = jnp.int32(chunk)
+    if tails:
+        assert not fresh and all(t % sub == 0 for t in tails) and list(tails) == sorted(tails) and tails[-1] < chunk
+
+        def whole(c, carry):
+            body(pl.multiple_of(first_row + c * chunk, sub), chunk)
+            return carry
+
+        done = lax.div(hi - first_row, n)
+        lax.fori_loop(0, done, whole, 0)
+        r, rest = first_row + done * chunk, hi - first_row - done * chunk
+        for low, rows in zip((0,) + tuple(tails), tuple(tails) + (chunk,)):
+            @pl.when(jnp.logical_and(rest > low, rest <= rows))
+            def _tail():
+                body(pl.multiple_of(jnp.minimum(r, tm - rows), sub), rows)
+        return
 
     def step(c, carry):
         r0 = pl.multiple_of(jnp.minimum(first_row + c * chunk, tm - chunk), sub)
         body(r0, first_row + c * chunk - r0) if fresh else body(r0)
         return carry
 
-    n = jnp.int32(chunk)
     lax.fori_loop(0, lax.div(hi - first_row + n - 1, n), step, 0)
 
 
-def gmm_chunk_rows(m: int, groups: int, tm: int) -> int:
-    """gmm's rows per iteration at row tile tm: groups shorter than the tile (on average) in chunks of
-    ``group_chunk_rows``, so only the chunks holding a group's rows go through the MXU; groups as long as
-    the tile or longer in one pass per tile (each chunk pushes the weight block through the MXU again).
-    Measured with the cost model (GPT-OSS-20B, 2880 x 5760 gate_up and 2880 x 2880 down at 32 experts, layer us
-    v6e / TPU7x): 2048 tokens (256 rows an expert, 512-row tiles) whole tiles 1959 / 1267, 128-row
-    chunks 1677 / 1166, 256-row chunks 1722 / 1197; 8192 tokens (1024 rows) whole tiles 4820 / 3236,
-    128-row chunks 5583 / 3638."""
+def gmm_chunk_rows(m: int, groups: int, tm: int, chip: str | None = None) -> int:
+    """gmm's rows per iteration at row tile tm: decode-sized groups (48 rows or fewer on average) in
+    chunks of ``group_chunk_rows``; longer ones in chunks of the MXU's width, each group's last chunk cut
+    to a tail (``gmm_tails``), so only the chunks holding a group's rows go through the MXU and few rows
+    past the group do. Measured with the cost model (GPT-OSS-20B, 2880 x 5760 gate_up and 2880 x 2880 down
+    at 32 experts, TPU7x, layer us): 2048 tokens (256 rows an expert) 128-row chunks in 512-row tiles 819.2,
+    with tails of 32 and 64 rows 772.5; 256-row chunks with tails of 32, 64 and 128 rows 729.3 (64 and 128:
+    741.7; whole 256-row chunks: 988.8); 8192 tokens (1024 rows an expert) one pass per 256-row tile
+    2914.9, 256-row chunks with tails in 512-row tiles 2813.9."""
     avg = -(-m // groups) if groups else m
-    return min(tm, group_chunk_rows(m, groups)) if avg < tm else tm
+    return min(tm, group_chunk_rows(m, groups) if avg <= 48 else _chip(chip).mxu_dim)
+
+
+def gmm_tails(chunk: int, sub: int) -> tuple[int, ...]:
+    """The shorter chunks a group's last rows may take in gmm (``_for_group_rows``): an eighth, a quarter
+    and a half of ``chunk``, in whole native tiles of ``sub`` rows. Each is one more copy of the dots in
+    the compiled kernel; a group then runs at most a tail's worth of rows (up to half the chunk) past its
+    end, against up to a whole chunk."""
+    return tuple(t for t in (chunk // 8, chunk // 4, chunk // 2) if t >= sub and t % sub == 0)
 
 
 def choose_gmm_tiling(m: int, k: int, n: int, g: int, *, in_dtype, out_dtype, chip: str | None = None,
@@ -183,7 +209,7 @@ def choose_gmm_tiling(m: int, k: int, n: int, g: int, *, in_dtype, out_dtype, ch
     for tn in _tn_candidates(n, lane_n, divisors_only):
         tiles_n = -(-n // tn)
         for tm in tms:
-            chunk = gmm_chunk_rows(m, g, tm)
+            chunk = gmm_chunk_rows(m, g, tm, chip)
             if gmm_vmem_bytes(tm, tn, k, inb, outb, n_weights, quantized, chunk) > budget:
                 continue
             tiles_m = -(-m // tm)
@@ -751,13 +777,14 @@ def _gmm_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs,
         def _zero():
             out_ref[...] = jnp.zeros(out_ref.shape, out_ref.dtype)
 
-        def chunk_rows(r0):
-            rows = pl.ds(r0, chunk)
-            y = epilogue(rows, chunk)
+        def chunk_rows(r0, n_rows=chunk):
+            rows = pl.ds(r0, n_rows)
+            y = epilogue(rows, n_rows)
             out_ref[rows, :] = jnp.where(mine(y, r0), y.astype(out_ref.dtype), out_ref[rows, :])
 
+        sub = _sublanes(lhs_refs[0].dtype)
         _for_group_rows(jnp.clip(start - tile * tm, 0, tm), jnp.clip(end - tile * tm, 0, tm), tm=tm, chunk=chunk,
-                        sub=_sublanes(lhs_refs[0].dtype), body=chunk_rows)
+                        sub=sub, body=chunk_rows, tails=gmm_tails(chunk, sub))
 
     @pl.when(jnp.logical_and(grp >= num_groups, first))
     def _tail():  # a tile of rows in no group (past sum(group_sizes)): ragged_dot defines them as zero
@@ -818,7 +845,7 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
             tn = n
     if n_w == 2 and n % tn:  # the up block sits n/tn blocks after the gate block
         raise ValueError(f"a fused [gate; up] activation needs tn to divide the half width n/2={n}, got tn={tn}")
-    chunk = chunk or gmm_chunk_rows(m, g, tm)
+    chunk = chunk or gmm_chunk_rows(m, g, tm, chip)
     sub = _sublanes(lhs.dtype)
     if tm % sub or chunk % sub or chunk > tm:
         raise ValueError(f"gmm: tm={tm} and chunk={chunk} must be multiples of {sub} (lhs is {lhs.dtype}), "
