@@ -575,30 +575,37 @@ def _combined_reference(x, ids, w, expert, num_experts):
     return out
 
 
-@pytest.mark.parametrize("mode,layout,dtype,i,ti,tm,chunk,gather,t", [
+@pytest.mark.parametrize("mode,layout,dtype,i,ti,tm,chunk,gather,t,tails", [
     # a token's rows from several groups, groups crossing the 32-row tile and the 16-row chunks, empty
     # groups, sentinel ids, an expert listed twice for one token (adjacent rows of a group); 111 rows, in no
     # whole native tiles: row tiles, unless gathered
-    ("fast", "halves", "float32", 128, 128, 32, 16, False, 37),
-    ("fast", "halves", "float32", 128, 128, 32, 16, True, 37),
-    ("fast", "halves", "bfloat16", 128, 128, 32, 16, True, 37),  # rows rounded to bf16, weighted in f32
-    ("fast", "halves", "float32", 256, 128, 64, 32, False, 37),  # intermediate tiles: added at the last one
-    ("fast", "interleaved", "float32", 192, 64, 64, 32, True, 37),  # GPT-OSS: interleaved, biases, 3 tiles
-    ("fast", "interleaved", "float32", 192, 64, 128, 32, False, 37),  # one row tile, chunks pulled back in it
-    ("fast", "interleaved", "float32", 192, 64, 16, 8, True, 37),  # groups split into 16-row windows, 3 tiles
-    ("fast", "halves", "bfloat16", 128, 128, 16, 16, True, 37),  # whole slabs, 16-row windows
-    ("fast", "halves", "float32", 128, 128, 128, 16, True, 37),  # all rows in one tile: no windows
-    ("fast", "halves", "bfloat16", 128, 128, 64, 48, True, 37),  # chunks of 48 rows, 19 a group: added in a loop
+    ("fast", "halves", "float32", 128, 128, 32, 16, False, 37, None),
+    ("fast", "halves", "float32", 128, 128, 32, 16, True, 37, None),
+    ("fast", "halves", "bfloat16", 128, 128, 32, 16, True, 37, None),  # rows rounded to bf16, weighted in f32
+    ("fast", "halves", "float32", 256, 128, 64, 32, False, 37, None),  # intermediate tiles: added at the last one
+    ("fast", "interleaved", "float32", 192, 64, 64, 32, True, 37, None),  # GPT-OSS: interleaved, biases, 3 tiles
+    ("fast", "interleaved", "float32", 192, 64, 128, 32, False, 37, None),  # one row tile, chunks pulled back in it
+    ("fast", "interleaved", "float32", 192, 64, 16, 8, True, 37, None),  # groups split into 16-row windows, 3 tiles
+    ("fast", "halves", "bfloat16", 128, 128, 16, 16, True, 37, None),  # whole slabs, 16-row windows
+    ("fast", "halves", "float32", 128, 128, 128, 16, True, 37, None),  # all rows in one tile: no windows
+    ("fast", "halves", "bfloat16", 128, 128, 64, 48, True, 37, None),  # chunks of 48 rows, 19 a group: added in a loop
     # 144 rows: windows of x's rows from a native tile, groups longer than a window, the last ones moved
     # back inside x
-    ("fast", "halves", "float32", 128, 128, 32, 16, False, 48),
-    ("fast", "halves", "bfloat16", 128, 128, 32, 16, False, 48),
-    ("fast", "interleaved", "float32", 192, 64, 32, 16, False, 48),  # 3 tiles, reversed at odd windows
-    pytest.param("strict", "halves", "bfloat16", 128, 128, 32, 16, True, 37, marks=pytest.mark.strict_interpret),
-    pytest.param("strict", "interleaved", "float32", 192, 64, 32, 16, False, 37, marks=pytest.mark.strict_interpret),
-    pytest.param("strict", "halves", "bfloat16", 128, 128, 32, 16, False, 48, marks=pytest.mark.strict_interpret)])
+    ("fast", "halves", "float32", 128, 128, 32, 16, False, 48, None),
+    ("fast", "halves", "bfloat16", 128, 128, 32, 16, False, 48, None),
+    ("fast", "interleaved", "float32", 192, 64, 32, 16, False, 48, None),  # 3 tiles, reversed at odd windows
+    # 48-row windows in 32-row chunks, tails of 8 and 16 rows: a window from a group's row 1-7 of a native
+    # tile ends in 17-23 rows, a 32-row chunk pulled back 8 rows inside the window (those added once)
+    ("fast", "halves", "float32", 128, 128, 48, 32, True, 100, (8, 16)),
+    ("fast", "halves", "float32", 256, 128, 48, 32, True, 100, (8, 16)),  # and intermediate tiles: carried once too
+    ("fast", "halves", "bfloat16", 128, 128, 32, 32, False, 48, (16,)),  # bf16 windows, the adds in the next dots
+    pytest.param("strict", "halves", "bfloat16", 128, 128, 32, 16, True, 37, None, marks=pytest.mark.strict_interpret),
+    pytest.param("strict", "interleaved", "float32", 192, 64, 32, 16, False, 37, None,
+                 marks=pytest.mark.strict_interpret),
+    pytest.param("strict", "halves", "bfloat16", 128, 128, 32, 16, False, 48, None, marks=pytest.mark.strict_interpret),
+    pytest.param("strict", "halves", "bfloat16", 128, 128, 32, 32, False, 48, (16,), marks=pytest.mark.strict_interpret)])
 def test_fused_moe_combines_rows_into_their_tokens(load_kernel, monkeypatch, mode, layout, dtype, i, ti, tm, chunk,
-                                                   gather, t):
+                                                   gather, t, tails):
     """With ``combine`` the fused MLP returns each token's weighted sum of its experts' rows (the MoE
     layer's unsort and top-k sum), with ``gather`` from the tokens' rows themselves: against an f32
     reference per token, from the routing sort's rows. Gathering, the sums leave VMEM in blocks of at
@@ -637,7 +644,7 @@ def test_fused_moe_combines_rows_into_their_tokens(load_kernel, monkeypatch, mod
         assert int(jnp.max(jnp.where(grp < e, first, 0))) > t * k - tm - sub
     with interpret(mode):
         out = P.fused_moe(x if gather else x[tokens], gu, dn, None, row_groups=keys, tm=tm, chunk=chunk, ti=ti,
-                          combine=(tokens, w.reshape(-1)[order], t), gather=gather, **kw)
+                          combine=(tokens, w.reshape(-1)[order], t), gather=gather, tails=tails, **kw)
     assert out.shape == (t, h) and out.dtype == jnp.dtype(dtype)  # f32 sums rounded once to x's dtype
     ref = _combined_reference(x, ids, w, expert, e)
     if dtype == "bfloat16":  # each row rounded to bf16 as the kernel's output would be, then weighted
@@ -945,7 +952,7 @@ def test_gmm_chunks_groups_shorter_than_its_tile(load_kernel):
     assert P.gmm_chunk_rows(8192, 32, 512, "v5e") == 128
     assert P.gmm_chunk_rows(32768, 32, 256, "v6e") == 256  # at most the tile: one pass over it
     assert P.gmm_chunk_rows(256, 32, 64) == 32  # decode-sized groups: the short chunks
-    assert P.gmm_tails(256, 16) == (32, 64, 128) and P.gmm_tails(32, 16) == (16,) and P.gmm_tails(16, 16) == ()
+    assert P.chunk_tails(256, 16) == (32, 64, 128) and P.chunk_tails(32, 16) == (16,) and P.chunk_tails(16, 16) == ()
     sizes, m, k, n = [0, 150, 7, 260, 0, 130], 600, 128, 256
     assert P.gmm_chunk_rows(m, len(sizes), 512, "v5e") == 128
     ks = jax.random.split(jax.random.key(11), 2)
@@ -956,6 +963,16 @@ def test_gmm_chunks_groups_shorter_than_its_tile(load_kernel):
         out = P.gmm(lhs, rhs, gs, transposed=True, tm=512, tn=128, chip="v5e")
     _close(out, _lax(lhs, rhs, gs, True), 1e-4)
     assert not np.asarray(out)[sum(sizes):].any()
+
+
+def test_fused_moe_takes_tails_for_decode_sized_groups(load_kernel):
+    """The fused MLP's last chunk of a group is cut to a tail only where an average group fills at most a
+    quarter of a chunk (``moe_tails``): Qwen3-30B-A3B at 64 tokens (4 rows an expert in 32-row chunks), not at
+    256 (16 rows) nor at 8192 (512 rows in 288-row chunks)."""
+    P = load_kernel("ragged_dot").pallas
+    assert P.moe_tails(64 * 8, 128, 32, 16) == (16,)
+    assert P.moe_tails(256 * 8, 128, 32, 16) == ()
+    assert P.moe_tails(8192 * 8, 128, 288, 16) == ()
 
 
 def _tail_chunks(sizes, m, tm, chunk, sub, tails):
@@ -983,13 +1000,13 @@ def _tail_chunks(sizes, m, tm, chunk, sub, tails):
 @pytest.mark.parametrize("variant", ["nk", "gated", "interleaved-bias"])
 @pytest.mark.parametrize("mode", ["fast", pytest.param("strict", marks=pytest.mark.strict_interpret)])
 def test_gmm_tail_chunks_match_whole_tiles(load_kernel, variant, mode):
-    """A group's last rows in gmm take the shortest tail that holds them (``gmm_tails``): 64-row tiles in
+    """A group's last rows in gmm take the shortest tail that holds them (``chunk_tails``): 64-row tiles in
     32-row chunks with tails of 8 and 16 rows (f32), every kind of chunk taken (whole chunks, each tail, the
     chunk, one pulled back inside its tile), groups straddling tiles, empty groups, rows past
     sum(group_sizes); against one pass over each whole tile and jax.lax.ragged_dot."""
     P = load_kernel("ragged_dot").pallas
     sizes, m, k, n = [10, 53, 0, 3, 30, 0, 70, 9, 24, 1], 250, 128, 256
-    assert P.gmm_tails(32, 8) == (8, 16)
+    assert P.chunk_tails(32, 8) == (8, 16)
     assert _tail_chunks(sizes, m, 64, 32, 8, (8, 16)) == {"whole", 8, 16, 32, "pulled"}
     ks = jax.random.split(jax.random.key(6), 3)
     lhs = jax.random.normal(ks[0], (m, k))

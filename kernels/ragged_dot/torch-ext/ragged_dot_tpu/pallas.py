@@ -133,15 +133,17 @@ def _for_group_rows(lo, hi, *, tm: int, chunk: int, sub: int, body, fresh: bool 
     rows [lo, hi) of a tm-row tile: from the native tile holding row lo, so a group of a few rows takes one
     chunk wherever it starts; the last chunk pulled back inside the tile (rows it repeats are written
     again, with the same values). ``fresh``: ``body(r0, new)``, rows from r0 + new on not in an earlier chunk.
-    ``tails`` (ascending row counts under ``chunk``): ``body(r0, rows)``, whole chunks while they fit before
-    hi, then one chunk of the fewest rows (a tail, or ``chunk``) that covers the rest (``gmm_tails``)."""
+    ``tails`` (ascending row counts under ``chunk``): ``body(r0, rows)`` (``fresh``: ``body(r0, new, rows)``),
+    whole chunks while they fit before hi, then one chunk of the fewest rows (a tail, or ``chunk``) that covers
+    the rest, pulled back inside the tile (``chunk_tails``)."""
     first_row = jnp.minimum(lax.div(lo, jnp.int32(sub)) * sub, tm - chunk)
     n = jnp.int32(chunk)
     if tails:
-        assert not fresh and all(t % sub == 0 for t in tails) and list(tails) == sorted(tails) and tails[-1] < chunk
+        assert all(t % sub == 0 for t in tails) and list(tails) == sorted(tails) and tails[-1] < chunk
 
         def whole(c, carry):
-            body(pl.multiple_of(first_row + c * chunk, sub), chunk)
+            r0 = pl.multiple_of(first_row + c * chunk, sub)
+            body(r0, 0, chunk) if fresh else body(r0, chunk)
             return carry
 
         done = lax.div(hi - first_row, n)
@@ -150,7 +152,8 @@ def _for_group_rows(lo, hi, *, tm: int, chunk: int, sub: int, body, fresh: bool 
         for low, rows in zip((0,) + tuple(tails), tuple(tails) + (chunk,)):
             @pl.when(jnp.logical_and(rest > low, rest <= rows))
             def _tail():
-                body(pl.multiple_of(jnp.minimum(r, tm - rows), sub), rows)
+                r0 = pl.multiple_of(jnp.minimum(r, tm - rows), sub)
+                body(r0, r - r0, rows) if fresh else body(r0, rows)
         return
 
     def step(c, carry):
@@ -164,7 +167,7 @@ def _for_group_rows(lo, hi, *, tm: int, chunk: int, sub: int, body, fresh: bool 
 def gmm_chunk_rows(m: int, groups: int, tm: int, chip: str | None = None) -> int:
     """gmm's rows per iteration at row tile tm: decode-sized groups (48 rows or fewer on average) in
     chunks of ``group_chunk_rows``; longer ones in chunks of the MXU's width, each group's last chunk cut
-    to a tail (``gmm_tails``), so only the chunks holding a group's rows go through the MXU and few rows
+    to a tail (``chunk_tails``), so only the chunks holding a group's rows go through the MXU and few rows
     past the group do. Measured with the cost model (GPT-OSS-20B, 2880 x 5760 gate_up and 2880 x 2880 down
     at 32 experts, TPU7x, layer us): 2048 tokens (256 rows an expert) 128-row chunks in 512-row tiles 819.2,
     with tails of 32 and 64 rows 772.5; 256-row chunks with tails of 32, 64 and 128 rows 729.3 (64 and 128:
@@ -174,11 +177,11 @@ def gmm_chunk_rows(m: int, groups: int, tm: int, chip: str | None = None) -> int
     return min(tm, group_chunk_rows(m, groups) if avg <= 48 else _chip(chip).mxu_dim)
 
 
-def gmm_tails(chunk: int, sub: int) -> tuple[int, ...]:
-    """The shorter chunks a group's last rows may take in gmm (``_for_group_rows``): an eighth, a quarter
-    and a half of ``chunk``, in whole native tiles of ``sub`` rows. Each is one more copy of the dots in
-    the compiled kernel; a group then runs at most a tail's worth of rows (up to half the chunk) past its
-    end, against up to a whole chunk."""
+def chunk_tails(chunk: int, sub: int) -> tuple[int, ...]:
+    """The shorter chunks a group's last rows may take in gmm and the fused MLP (``_for_group_rows``): an
+    eighth, a quarter and a half of ``chunk``, in whole native tiles of ``sub`` rows. Each is one more copy
+    of the dots in the compiled kernel; a group then runs at most a tail's worth of rows (up to half the
+    chunk) past its end, against up to a whole chunk."""
     return tuple(t for t in (chunk // 8, chunk // 4, chunk // 2) if t >= sub and t % sub == 0)
 
 
@@ -784,7 +787,7 @@ def _gmm_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs,
 
         sub = _sublanes(lhs_refs[0].dtype)
         _for_group_rows(jnp.clip(start - tile * tm, 0, tm), jnp.clip(end - tile * tm, 0, tm), tm=tm, chunk=chunk,
-                        sub=sub, body=chunk_rows, tails=gmm_tails(chunk, sub))
+                        sub=sub, body=chunk_rows, tails=chunk_tails(chunk, sub))
 
     @pl.when(jnp.logical_and(grp >= num_groups, first))
     def _tail():  # a tile of rows in no group (past sum(group_sizes)): ragged_dot defines them as zero
@@ -1098,7 +1101,7 @@ def reference(lhs, rhs, group_sizes, rhs_transposed=False, out_dtype=None):
 
 def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, tm, chunk, num_groups,
                 transposed, down_transposed, activation, interleaved, alpha, limit, has_bias, quant, i_tiles,
-                combine, gather, windows, last_window, mxu_deinterleave, straight_adds, sum_cols=None):
+                combine, gather, windows, last_window, mxu_deinterleave, straight_adds, sum_cols=None, tails=()):
     del fetch_tile
     smem_weights = gather and windows
     if sum_cols is not None:  # the rows' other columns: two buffers of an item's rows on their way to rest_ref, a
@@ -1199,11 +1202,11 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
                     return carry
                 lax.fori_loop(0, x_ref.shape[0] // sub, widen, 0)
 
-        def gather_rows(r0, start, end):
-            """x of the chunk's rows of this group, gathered from the tokens' rows, and (``smem_weights``)
+        def gather_rows(r0, start, end, n):
+            """x of the n-row chunk's rows of this group, gathered from the tokens' rows, and (``smem_weights``)
             their routing weights (others: stale)."""
             base = row0 + r0
-            lo, hi = jnp.clip(start - base, 0, chunk), jnp.clip(end - base, 0, chunk)
+            lo, hi = jnp.clip(start - base, 0, n), jnp.clip(end - base, 0, n)
 
             def copy(n, carry):
                 for u in range(ADD_ROWS):
@@ -1215,17 +1218,18 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
                         wbuf[pl.ds(r, 1), :] = jnp.full((1, wbuf.shape[1]), w, jnp.float32)
                 return carry
             lax.fori_loop(0, lax.div(hi - lo + ADD_ROWS - 1, ADD_ROWS), copy, 0)
-            return xbuf[pl.ds(0, chunk), :].astype(x_ref.dtype)
+            return xbuf[pl.ds(0, n), :].astype(x_ref.dtype)
 
         def add_rows(y, r0, new, start, end):
             """The chunk's rows of this group (once), weighted, into their tokens' sums: now, or
             (``straight_adds``: chunks mostly of one group's rows) as the pending chunk, during the next
             chunk's down dots (``add_pending``)."""
-            w = (wbuf[pl.ds(0, chunk), pl.ds(0, 1)] if smem_weights else row_weight[pl.ds(r0, chunk), :]).astype(prod_dtype)
+            n = y.shape[0]
+            w = (wbuf[pl.ds(0, n), pl.ds(0, 1)] if smem_weights else row_weight[pl.ds(r0, n), :]).astype(prod_dtype)
             slot = 1 - pend[0] if straight_adds else 0
-            ybuf[slot, pl.ds(0, chunk), :] = (y.astype(y_dtype).astype(prod_dtype) * w).astype(jnp.float32)
+            ybuf[slot, pl.ds(0, n), :] = (y.astype(y_dtype).astype(prod_dtype) * w).astype(jnp.float32)
             base = row0 + r0
-            lo, hi = jnp.clip(jnp.maximum(start - base, new), 0, chunk), jnp.clip(end - base, 0, chunk)
+            lo, hi = jnp.clip(jnp.maximum(start - base, new), 0, n), jnp.clip(end - base, 0, n)
             if straight_adds:
                 pend[0], pend[1], pend[2], pend[3] = slot, base, lo, hi
             else:
@@ -1306,17 +1310,17 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
                 y = y + db_ref[...].astype(jnp.float32)
             if combine is not None:
                 if sum_cols is not None:
-                    rbuf[rflag[0], pl.ds(r0, chunk), :] = y[:, sum_cols:].astype(rbuf.dtype)
+                    rbuf[rflag[0], pl.ds(r0, y.shape[0]), :] = y[:, sum_cols:].astype(rbuf.dtype)
                     y = y[:, :sum_cols]
                 return add_rows(y, r0, new, start, end)
-            rows = pl.ds(r0, chunk)
+            rows = pl.ds(r0, y.shape[0])
             r = row0 + r0 + lax.broadcasted_iota(jnp.int32, y.shape, 0)
             mine = jnp.logical_and(r >= start, r < end)
             out_ref[rows, :] = jnp.where(mine, y.astype(out_ref.dtype), out_ref[rows, :])
 
-        def chunk_rows(r0, new=0):  # MXU work only for chunks holding rows of this group
-            rows = pl.ds(r0, chunk)
-            x = gather_rows(r0, start, end) if gather else x_ref[rows, :]
+        def chunk_rows(r0, new=0, n=chunk):  # MXU work only for chunks holding rows of this group
+            rows = pl.ds(r0, n)
+            x = gather_rows(r0, start, end, n) if gather else x_ref[rows, :]
             ys = [lax.dot_general(x, w(), dims, preferred_element_type=jnp.float32) for w in weights]
             ys = [y if cs is None else y * cs() for y, cs in zip(ys, col_scales)]
             if has_bias:
@@ -1347,7 +1351,7 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
                 finish(y, r0, new)
 
         _for_group_rows(jnp.clip(start - row0, 0, span), jnp.clip(end - row0, 0, span), tm=span, chunk=chunk,
-                        sub=sub, body=chunk_rows, fresh=True)
+                        sub=sub, body=chunk_rows, fresh=True, tails=tails)
         if sum_cols is not None:
             @pl.when(j == i_tiles - 1)
             def _rest():
@@ -1598,6 +1602,17 @@ def fused_moe_sum_cols(tokens: int, h: int, i: int, tiling, *, rows: int, groups
     return 0
 
 
+def moe_tails(m: int, groups: int, chunk: int, sub: int) -> tuple[int, ...]:
+    """The fused MLP's tail chunks (``chunk_tails``) where an average group fills at most a quarter of a chunk
+    (decode-sized groups: most of a whole chunk's rows would be another group's). Measured with the cost model
+    (layer us v5e / v6e / TPU7x, whole chunks -> tails, 32-row chunks, 16-row tails): Qwen3-30B-A3B at 64
+    tokens (4 rows an expert) fp8 838.2 / 530.8 / 342.2 -> 815.8 / 448.4 / 307.3, int8 740.1 / 379.8 / 269.5
+    -> 740.1 / 385.2 / 233.8; at 256 tokens (16 rows) fp8 931.4 / 591.1 / 380.9 -> 1109.0 / 689.3 / 423.3.
+    Longer groups measured slower or mixed with tails too (Qwen3 at 8192 tokens, 288-row chunks: v6e 1294.0 ->
+    1378.3; GPT-OSS-20B at 8192 v6e 3763.6 -> 3636.1 but v5e 10751.6 -> 11509.5)."""
+    return chunk_tails(chunk, sub) if 4 * -(-m // (groups or 1)) <= chunk else ()
+
+
 def straight_adds(m: int, groups: int, chunk: int) -> bool:
     """Whether a combining fused MLP adds a chunk's rows during the next chunk's dots (see ADD_ROWS)."""
     return 4 * -(-m // groups) >= 3 * chunk
@@ -1709,7 +1724,7 @@ def _windows(m, h, i, tiling, *, groups, tokens, in_dtype, w_dtype, gather, chip
 def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="silu", interleaved=False,
               alpha=1.702, limit=7.0, gate_up_bias=None, down_bias=None, out_dtype=None, tm=None, chunk=None,
               chip=None, down_transposed=None, gate_up_scale=None, down_scale=None, in_dots=None, row_groups=None,
-              ti=None, combine=None, gather=False, mxu_deinterleave=None, sums_dtype=None, sum_cols=None):
+              ti=None, combine=None, gather=False, mxu_deinterleave=None, sums_dtype=None, sum_cols=None, tails=None):
     """down(act(x @ gate) * (x @ up)) per group in ONE kernel: the intermediate never leaves VMEM.
 
     x [m, H] (rows sorted by group), gate_up [g, 2I, H] / down [g, H, I] (``transposed``, the
@@ -1734,7 +1749,8 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     multiple of 128 below H; ``fused_moe_sum_cols``): only the rows' first sum_cols columns are summed, the
     rest leave as rows: returns ([T, H] with the sums in its first sum_cols columns (the others unwritten, for
     the caller's sums of the rows' others, in place), [m', H - sum_cols] rows, m' >= m; rows of no group hold
-    garbage). ``mxu_deinterleave``: as ``gmm``'s.
+    garbage). ``mxu_deinterleave``: as ``gmm``'s. ``tails``: the row counts a group's last chunk may take
+    (``chunk_tails``; default ``moe_tails``).
     """
     down_transposed = transposed if down_transposed is None else down_transposed
     m, h = x.shape
@@ -1825,11 +1841,13 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     stage_rows = min(GATHER_STAGE_ROWS, _round_up(x.shape[0], sub))
     out_shape, out_spec = (m, h), pl.BlockSpec((tm, h), lambda it, j, off, ig, itl, fg, ft, *_: (itl[it], 0))
     comb, out_bytes, straight = None, m * h * out_dtype.itemsize, False
+    tails = moe_tails(m, g, chunk, sub) if tails is None else tuple(tails)
     need = moe_vmem_bytes(tm, chunk, h, i, x.dtype.itemsize, out_dtype.itemsize, gate_up.dtype.itemsize, ti)
     if combine is not None:
         row_token, row_weight, num_tokens = combine
         straight = straight_adds(m, g, chunk)
-        pad = (0, (m + tm + sub if windows else -(-m // tm) * tm) + ADD_ROWS - m)  # rows a chunk may read past m
+        # rows a chunk may read past m (the straight adds read a whole chunk's from a tail's first row)
+        pad = (0, (m + tm + sub if windows else -(-m // tm) * tm) + (chunk if tails else 0) + ADD_ROWS - m)
         prefetch.append(jnp.pad(row_token.astype(jnp.int32), pad))
         comb = (out_dtype, jnp.promote_types(out_dtype, row_weight.dtype))
         if smem_weights:  # the weights as f32 bits beside the tokens: each row's read as it is gathered
@@ -1876,7 +1894,7 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
                                activation=activation, interleaved=interleaved, alpha=float(alpha),
                                limit=float(limit), has_bias=gate_up_bias is not None, quant=quant, i_tiles=nt,
                                combine=comb, gather=gather, windows=bool(windows), last_window=last_window,
-                               straight_adds=straight, sum_cols=sum_cols,
+                               straight_adds=straight, sum_cols=sum_cols, tails=tails,
                                mxu_deinterleave=_split_on_mxu(interleaved, m, g, chip, mxu_deinterleave))
     out_shapes = ([jax.ShapeDtypeStruct(out_shape[0], out_dtype), jax.ShapeDtypeStruct(out_shape[1], comb[0])]
                   if sum_cols else jax.ShapeDtypeStruct(out_shape, out_dtype))
