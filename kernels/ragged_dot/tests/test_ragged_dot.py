@@ -997,48 +997,25 @@ def _tail_chunks(sizes, m, tm, chunk, sub, tails):
     return taken
 
 
-@pytest.mark.parametrize("variant", ["nk", "gated", "interleaved-bias"])
-@pytest.mark.parametrize("mode", ["fast", pytest.param("strict", marks=pytest.mark.strict_interpret)])
-def test_gmm_tail_chunks_match_whole_tiles(load_kernel, variant, mode):
-    """A group's last rows in gmm take the shortest tail that holds them (``chunk_tails``): 64-row tiles in
-    32-row chunks with tails of 8 and 16 rows (f32), every kind of chunk taken (whole chunks, each tail, the
-    chunk, one pulled back inside its tile), groups straddling tiles, empty groups, rows past
-    sum(group_sizes); against one pass over each whole tile and jax.lax.ragged_dot."""
-    P = load_kernel("ragged_dot").pallas
-    sizes, m, k, n = [10, 53, 0, 3, 30, 0, 70, 9, 24, 1], 250, 128, 256
-    assert P.chunk_tails(32, 8) == (8, 16)
-    assert _tail_chunks(sizes, m, 64, 32, 8, (8, 16)) == {"whole", 8, 16, 32, "pulled"}
-    ks = jax.random.split(jax.random.key(6), 3)
-    lhs = jax.random.normal(ks[0], (m, k))
-    rhs = 0.1 * jax.random.normal(ks[1], (len(sizes), n, k))
-    kw = dict(transposed=True, tm=64, tn=128)
-    if variant == "gated":
-        kw.update(activation="silu")
-    if variant == "interleaved-bias":
-        rhs = jnp.swapaxes(rhs, 1, 2)
-        kw.update(transposed=False, activation="swiglu_oai", interleaved=True,
-                  bias=0.1 * jax.random.normal(ks[2], (len(sizes), n)))
-    gs = jnp.array(sizes, jnp.int32)
-    with interpret(mode):
-        chunked = P.gmm(lhs, rhs, gs, chunk=32, **kw)
-    with interpret("fast"):
-        whole = P.gmm(lhs, rhs, gs, chunk=64, **kw)
-    assert not np.isnan(np.asarray(chunked)).any()
-    _close(chunked, whole, 1e-6)
-    assert not np.asarray(chunked)[sum(sizes):].any()
-    if variant == "nk":
-        _close(chunked, _lax(lhs, rhs, gs, True), 1e-4)
-
-
+@pytest.mark.parametrize("chunks", ["short", "tails"])
 @pytest.mark.parametrize("variant", ["kn", "nk", "gated", "interleaved-bias", "interleaved-bias-xlu"])
 @pytest.mark.parametrize("mode", ["fast", pytest.param("strict", marks=pytest.mark.strict_interpret)])
-def test_gmm_row_chunks_match_whole_tiles(load_kernel, variant, mode):
-    """gmm's loop over a group's rows in chunks (decode) against one pass over each whole tile: 64-row
-    tiles in 8-row chunks, groups straddling chunks and tiles, one pulled back inside its tile ([17, 60)),
-    empty groups, rows past sum(group_sizes); the plain layouts, a [gate; up] activation, and GPT-OSS's
-    interleaved gate/up with bias."""
+def test_gmm_row_chunks_match_whole_tiles(load_kernel, variant, mode, chunks):
+    """gmm's loop over a group's rows in chunks against one pass over each whole tile, in 64-row tiles:
+    "short", 8-row chunks (decode), one pulled back inside its tile ([17, 60)); "tails", 32-row chunks
+    whose groups end in the shortest tail that holds their last rows (``chunk_tails``: 8 or 16 rows, f32),
+    sizes chosen so every kind of chunk runs (whole chunks, each tail, the chunk, one pulled back inside its
+    tile). Groups straddling chunks and tiles, empty groups, rows past sum(group_sizes); the plain layouts,
+    a [gate; up] activation, and GPT-OSS's interleaved gate/up with bias."""
     P = load_kernel("ragged_dot").pallas
-    sizes, m, k, n = [17, 43, 0, 3, 2, 30, 0], 120, 128, 256
+    k, n = 128, 256
+    if chunks == "short":
+        sizes, m, chunk = [17, 43, 0, 3, 2, 30, 0], 120, 8
+        assert P.chunk_tails(chunk, 8) == ()
+    else:
+        sizes, m, chunk = [10, 53, 0, 3, 30, 0, 70, 9, 24, 1], 250, 32
+        assert P.chunk_tails(chunk, 8) == (8, 16)
+        assert _tail_chunks(sizes, m, 64, chunk, 8, (8, 16)) == {"whole", 8, 16, 32, "pulled"}
     ks = jax.random.split(jax.random.key(5), 3)
     lhs = jax.random.normal(ks[0], (m, k))
     transposed = variant != "kn"
@@ -1052,7 +1029,7 @@ def test_gmm_row_chunks_match_whole_tiles(load_kernel, variant, mode):
                   bias=0.1 * jax.random.normal(ks[2], (len(sizes), n)))
     gs = jnp.array(sizes, jnp.int32)
     with interpret(mode):
-        chunked = P.gmm(lhs, rhs, gs, chunk=8, **kw)
+        chunked = P.gmm(lhs, rhs, gs, chunk=chunk, **kw)
     with interpret("fast"):
         whole = P.gmm(lhs, rhs, gs, chunk=64, **kw)
     assert not np.isnan(np.asarray(chunked)).any()
