@@ -117,6 +117,9 @@ def expected_active_groups(m: int, g: int) -> float:
     return g * (1.0 - (1.0 - 1.0 / g) ** m) if g else 0.0
 
 
+DECODE_GROUP_ROWS = 48  # groups averaging up to this many rows (decode-sized) take the short chunks below
+
+
 def group_chunk_rows(m: int, groups: int | None) -> int:
     """Rows per iteration of a kernel's loop over the rows of one group in a tile (``_for_group_rows``).
     Every iteration pushes the weight block through the MXU whole, but its result pops, adds and masks
@@ -125,7 +128,7 @@ def group_chunk_rows(m: int, groups: int | None) -> int:
     group of up to 17 bf16 rows). Compiled for v6e, the fused MLP for Qwen3 at 64 tokens in bf16: 3249
     bundles an iteration against 3610 at 128 rows, 96 vmatmuls per MXU against 384."""
     avg = -(-m // groups) if groups else m
-    return 32 if avg <= 16 else 64 if avg <= 48 else 128
+    return 32 if avg <= 16 else 64 if avg <= DECODE_GROUP_ROWS else 128
 
 
 def _for_group_rows(lo, hi, *, tm: int, chunk: int, sub: int, body, fresh: bool = False, tails: tuple = ()):
@@ -165,8 +168,8 @@ def _for_group_rows(lo, hi, *, tm: int, chunk: int, sub: int, body, fresh: bool 
 
 
 def gmm_chunk_rows(m: int, groups: int, tm: int, chip: str | None = None) -> int:
-    """gmm's rows per iteration at row tile tm: decode-sized groups (48 rows or fewer on average) in
-    chunks of ``group_chunk_rows``; longer ones in chunks of the MXU's width, each group's last chunk cut
+    """gmm's rows per iteration at row tile tm: decode-sized groups (``DECODE_GROUP_ROWS``) in chunks of
+    ``group_chunk_rows``; longer ones in chunks of the MXU's width, each group's last chunk cut
     to a tail (``chunk_tails``), so only the chunks holding a group's rows go through the MXU and few rows
     past the group do. Measured with the cost model (GPT-OSS-20B, 2880 x 5760 gate_up and 2880 x 2880 down
     at 32 experts, TPU7x, layer us): 2048 tokens (256 rows an expert) 128-row chunks in 512-row tiles 819.2,
@@ -174,7 +177,7 @@ def gmm_chunk_rows(m: int, groups: int, tm: int, chip: str | None = None) -> int
     741.7; whole 256-row chunks: 988.8); 8192 tokens (1024 rows an expert) one pass per 256-row tile
     2914.9, 256-row chunks with tails in 512-row tiles 2813.9."""
     avg = -(-m // groups) if groups else m
-    return min(tm, group_chunk_rows(m, groups) if avg <= 48 else _chip(chip).mxu_dim)
+    return min(tm, group_chunk_rows(m, groups) if avg <= DECODE_GROUP_ROWS else _chip(chip).mxu_dim)
 
 
 def chunk_tails(chunk: int, sub: int) -> tuple[int, ...]:
@@ -1503,7 +1506,7 @@ def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True
     avg = -(-m // (groups or 1))
     if spec.mxu_dim >= 256 and not quantized and avg > LONG_CHUNK_ROWS.get(spec.name, m):
         chunks.insert(0, 256)  # the shorter chunk stays as the fallback when the longer one's temporaries do not fit
-    if not quantized and 48 < avg <= FITTED_CHUNK_ROWS:
+    if not quantized and DECODE_GROUP_ROWS < avg <= FITTED_CHUNK_ROWS:
         chunks.insert(0, _round_up(avg + 2 * sub, sub))
     budget = int(spec.vmem_bytes * 0.6)  # measured: Gemma-4 26B-A4B experts compile on TPU7x at this budget
     wb = jnp.dtype(w_dtype or in_dtype).itemsize
