@@ -73,7 +73,8 @@ def test_fused_moe_v1_takes_our_int8_weights_as_its_per_channel_scales():
     c = problems._moe_check(6, "int8")
     args = runner._moe_fused_layout(*c.args)
     x, logits, w1, w2, w1_scale, w2_scale = args
-    assert w1.dtype == jnp.int8 and w1_scale.shape == (8, 2, 1, 1, 128) and w2_scale.shape == (8, 1, 1, 256)
+    # intermediate 128 runs at 256 (vLLM TPU's padding for fused_moe), hidden 256 as it is
+    assert w1.dtype == jnp.int8 and w1_scale.shape == (8, 2, 1, 1, 256) and w2_scale.shape == (8, 1, 1, 256)
     out = runner._fused_moe_reference(*args, chip="v6e", **c.kwargs)
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - c.reference)))
     assert err < c.tol * float(jnp.max(jnp.abs(c.reference)))
@@ -88,3 +89,34 @@ def test_fused_moe_v1_takes_our_int8_weights_as_its_per_channel_scales():
         reads[wb] = cost.calls[0].step_types[0].dma_read[2] / (blocks * 8)  # per expert and token block
     # the same token rows both times; the weights 3 x 256 x 256 at 2 and at 1 byte, plus 2I + H f32 scales
     assert reads[2] - reads[1] == 3 * 256 * 256 * 2 - (3 * 256 * 256 + (2 * 256 + 256) * 4)
+
+
+def test_fused_moe_v1_runs_sizes_off_its_grid_zero_padded_as_vllm_tpu_loads_them():
+    """GPT-OSS (hidden = intermediate = 2880) and Gemma-4 (intermediate 704) are off fused_moe's 128-lane
+    grid: the layout pads the weights to multiples of 256 once, the layer pads the tokens' hidden columns
+    per call and cuts the output back. Its reference on the padded weights matches the unpadded layer
+    (odd token count, sizes off every grid), and the padding is zeros."""
+    from pallas_hub.bench import runner
+
+    tokens, e, k, h, i = 5, 8, 2, 200, 72
+    logits, ids, w = problems.routing(tokens, e, k, seed=3)
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((tokens, h)), jnp.bfloat16)
+    gate_up = jnp.asarray(rng.standard_normal((e, 2 * i, h)) / np.sqrt(h), jnp.bfloat16)
+    down = jnp.asarray(rng.standard_normal((e, h, i)) / np.sqrt(i), jnp.bfloat16)
+    reference = problems.moe_reference(x, jnp.asarray(ids), jnp.asarray(w), gate_up, down)
+
+    args = runner._moe_fused_layout(x, ids, w, gate_up, down, jnp.asarray(logits))
+    _, _, w1, w2 = args
+    assert anchors.fused_moe_v1_sizes(h, i) == (256, 256) and anchors.fused_moe_v1_sizes(2880, 704) == (3072, 768)
+    assert w1.shape == (e, 2, 256, 256) and w2.shape == (e, 256, 256)
+    assert not jnp.any(w1[:, :, h:]) and not jnp.any(w1[..., i:]) and not jnp.any(w2[:, i:]) and not jnp.any(w2[..., h:])
+    np.testing.assert_array_equal(np.asarray(w1[0, 1, :h, :i]), np.asarray(gate_up[0, i:].T))  # up, transposed
+    abstract = runner._moe_fused_layout(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in
+                                          (x, ids, w, gate_up, down, jnp.asarray(logits))))
+    assert [a.shape for a in abstract] == [a.shape for a in args]  # the compiled programs see the same sizes
+
+    out = runner._fused_moe_reference(*args, chip="v6e", top_k=k)
+    assert out.shape == (tokens, h)
+    err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - reference)))
+    assert err < 2e-2 * float(jnp.max(jnp.abs(reference)))

@@ -167,31 +167,51 @@ def _subchannel_scales(w1, w2, w1_scale, w2_scale) -> dict:
                 subc_quant_w2_sz=w2.shape[1] // w2_scale.shape[1])
 
 
+# fused_moe v1 takes hidden and intermediate sizes on the 128-lane grid only ("pad them with zeros outside
+# the kernel"); vLLM TPU pads both to a multiple of 256 when it loads the weights (tpu-inference 0.32.0
+# ``process_weights/moe_weights.py``, FUSED_MOE) and the tokens' hidden columns on each call (``layers/
+# common/moe.py``). Zero columns and rows change no result: SiLU(0) * 0 = 0.
+FUSED_MOE_ALIGN = 256
+
+
+def fused_moe_v1_sizes(hidden: int, inter: int) -> tuple[int, int]:
+    """The (hidden, intermediate) sizes vLLM TPU runs fused_moe v1 at: padded to ``FUSED_MOE_ALIGN``."""
+    return -(-hidden // FUSED_MOE_ALIGN) * FUSED_MOE_ALIGN, -(-inter // FUSED_MOE_ALIGN) * FUSED_MOE_ALIGN
+
+
+def _fused_moe_tokens(x, router_logits, hidden: int):
+    """Tokens as fused_moe v1 takes them: hidden columns zero-padded to its weights' ``hidden`` (per call,
+    as vLLM TPU does) and an even count of rows (bf16 packing); the logits padded to the same rows."""
+    rows = x.shape[0] % 2
+    return (jnp.pad(x, ((0, rows), (0, hidden - x.shape[1]))),
+            jnp.pad(router_logits, ((0, rows), (0, 0))).astype(x.dtype))
+
+
 def fused_moe_v1_layer(mesh, x, router_logits, w1, w2, w1_scale=None, w2_scale=None, *, top_k: int):
     """vLLM TPU's fused_moe v1 on one device (a 1 x 1 mesh, no expert parallelism): routing by
     softmax top-k of the logits (renormalised, as Qwen3), SiLU experts, the weighted sum.
-    Weights [E, 2, H, I] and [E, I, H] (bf16, or quantized with sub-channel scales); tokens padded
-    to an even count (bf16 packing)."""
+    Weights [E, 2, H', I'] and [E, I', H'] at ``fused_moe_v1_sizes`` (bf16, or quantized with
+    sub-channel scales); tokens [T, H] padded around the call as vLLM TPU pads them."""
     from . import vllm_tpu
 
-    t = x.shape[0]
-    pad = t % 2
-    if pad:
-        x = jnp.pad(x, ((0, pad), (0, 0)))
-        router_logits = jnp.pad(router_logits, ((0, pad), (0, 0)))
-    out = vllm_tpu.fused_moe_v1().fused_ep_moe(mesh, x, w1, w2, router_logits.astype(x.dtype), top_k,
+    t, h = x.shape
+    xp, logits = _fused_moe_tokens(x, router_logits, w1.shape[2])
+    out = vllm_tpu.fused_moe_v1().fused_ep_moe(mesh, xp, w1, w2, logits, top_k,
                                                renormalize_topk_logits=True, act_fn="silu", scoring_fn="softmax",
                                                **_subchannel_scales(w1, w2, w1_scale, w2_scale))
-    return out[:t]
+    return out[:t, :h]
 
 
 def fused_moe_v1_reference(mesh, x, router_logits, w1, w2, w1_scale=None, w2_scale=None, *, top_k: int):
     """fused_moe v1's own plain-JAX reference (``ref_moe``) on the same inputs and settings."""
     from . import vllm_tpu
 
-    return vllm_tpu.fused_moe_v1().ref_moe(x, w1, w2, router_logits.astype(x.dtype), top_k,
-                                           renormalize_topk_logits=True, act_fn="silu", scoring_fn="softmax",
-                                           **_subchannel_scales(w1, w2, w1_scale, w2_scale))
+    t, h = x.shape
+    xp, logits = _fused_moe_tokens(x, router_logits, w1.shape[2])
+    out = vllm_tpu.fused_moe_v1().ref_moe(xp, w1, w2, logits, top_k,
+                                          renormalize_topk_logits=True, act_fn="silu", scoring_fn="softmax",
+                                          **_subchannel_scales(w1, w2, w1_scale, w2_scale))
+    return out[:t, :h]
 
 
 def fused_moe_v1_blocks(tokens: int, hidden: int, inter: int, experts: int, top_k: int, weight_bytes: int = 2) -> dict:
@@ -215,7 +235,8 @@ def fused_moe_v1_cost(top_k_index: np.ndarray, hidden: int, inter: int, experts:
                       weight_bytes: int = 2, channel_scales: bool = False):
     """What fused_moe v1 moves and computes for a routing, counted from its source
     (tpu-inference 0.32.0 ``kernels/fused_moe/v1/kernel.py``, one device): it routes inside the
-    kernel from vector data, which ``costmodel.estimate`` cannot follow.
+    kernel from vector data, which ``costmodel.estimate`` cannot follow. ``hidden`` and ``inter`` are
+    the sizes it runs at (``fused_moe_v1_sizes``).
 
     Per token block of ``bt`` tokens (a loop) and per expert (a loop inside it, over every expert,
     active or not): the expert's whole weights are fetched (w1 and w3 [H, I], w2 [I, H]), its tokens

@@ -102,21 +102,32 @@ def _moe_gmm_layout(x, ids, w, gate_up, down, logits, params=None):
     return x, ids, w, _transpose(gate_up, (0, 2, 1)), _transpose(down, (0, 2, 1))
 
 
+def _pad(x, widths: dict):
+    """Zero-pad axes of an array (or a ShapeDtypeStruct's shape) at their ends: {axis: new size}."""
+    def shape(s):
+        return tuple(widths.get(d, n) for d, n in enumerate(s))
+
+    return _map(x, lambda a: jnp.pad(a, [(0, n - a.shape[d]) for d, n in enumerate(shape(a.shape))]), shape)
+
+
 def _moe_fused_layout(x, ids, w, gate_up, down, logits, gate_up_scale=None, down_scale=None, params=None):
-    """fused_moe v1's inputs: tokens, router logits, w1 [E, 2, H, I], w2 [E, I, H]; int8 per-channel
-    scales as its sub-channel scales of one channel's whole input (w1_scale [E, 2, 1, 1, I], w2_scale
-    [E, 1, 1, H]: the same quantization as ours)."""
+    """fused_moe v1's inputs: tokens, router logits, w1 [E, 2, H', I'], w2 [E, I', H'] zero-padded to the
+    sizes vLLM TPU loads them at (``anchors.fused_moe_v1_sizes``); int8 per-channel scales as its
+    sub-channel scales of one channel's whole input (w1_scale [E, 2, 1, 1, I'], w2_scale [E, 1, 1, H']:
+    the same quantization as ours)."""
     def w1(a):  # [E, 2I, H] -> [E, 2, I, H] -> [E, 2, H, I]
         e, i2, h = a.shape
         return jnp.transpose(a.reshape(e, 2, i2 // 2, h), (0, 1, 3, 2))
 
+    hp, ip = anchors.fused_moe_v1_sizes(down.shape[1], down.shape[2])
     w1s = _map(gate_up, w1, lambda s: (s[0], 2, s[2], s[1] // 2))
-    out = (x, logits, w1s, _transpose(down, (0, 2, 1)))
+    out = (x, logits, _pad(w1s, {2: hp, 3: ip}), _pad(_transpose(down, (0, 2, 1)), {1: ip, 2: hp}))
     if gate_up_scale is None:
         return out
     e, i2 = gate_up_scale.shape  # f32 already, as fused_moe takes them
-    return out + (_map(gate_up_scale, lambda a: a.reshape(e, 2, 1, 1, i2 // 2), lambda s: (e, 2, 1, 1, i2 // 2)),
-                  _map(down_scale, lambda a: a.reshape(e, 1, 1, -1), lambda s: (e, 1, 1, s[1])))
+    w1_scale = _map(gate_up_scale, lambda a: a.reshape(e, 2, 1, 1, i2 // 2), lambda s: (e, 2, 1, 1, i2 // 2))
+    w2_scale = _map(down_scale, lambda a: a.reshape(e, 1, 1, -1), lambda s: (e, 1, 1, s[1]))
+    return out + (_pad(w1_scale, {4: ip}), _pad(w2_scale, {3: hp}))
 
 
 def _moe_anchor(grouped_matmul_of, mask_rows=False):
@@ -267,8 +278,9 @@ def _fused_moe_reference(x, logits, w1, w2, *scales, chip, top_k):
 def _fused_moe_cost(problem: Problem, chip: str, options: dict):
     p = problem.params
     quantized = p["format"] != "bf16"
-    return anchors.fused_moe_v1_cost(np.asarray(problem.args[1]), p["hidden"], p["intermediate"], p["experts"],
-                                     "fused-moe", weight_bytes=problem.args[3].dtype.itemsize,
+    hidden, inter = anchors.fused_moe_v1_sizes(p["hidden"], p["intermediate"])
+    return anchors.fused_moe_v1_cost(np.asarray(problem.args[1]), hidden, inter, p["experts"], "fused-moe",
+                                     weight_bytes=problem.args[3].dtype.itemsize,
                                      channel_scales=quantized)
 
 
