@@ -810,8 +810,9 @@ def test_write_and_attend_is_write_kv_then_attention(load_kernel, name, mode):
 
 
 def test_write_and_attend_batch_rule(load_kernel, monkeypatch):
-    """More than FUSED_WRITE_MAX_SEQS sequences take the two calls, except on FUSED_WRITE_ANY_BATCH_CHIPS with a
-    cache of q's dtype (one kernel: the same caches and output); a quantized cache takes the two there too."""
+    """More than FUSED_WRITE_MAX_SEQS sequences take the two calls, except with a cache of q's dtype in pages of
+    at least the chip's FUSED_WRITE_ANY_BATCH_PAGE (one kernel: the same caches and output); a quantized cache
+    takes the two there too, and so do smaller pages."""
     k = load_kernel("paged_attention")
     q_lens, kv_lens = [1] * 8 + [5], [3, 17, 40, 16, 33, 5, 64, 2, 30]
     q, kp, vp, lens, table, cu, _ = make_case(q_lens, kv_lens, hkv=2)
@@ -821,16 +822,17 @@ def test_write_and_attend_batch_rule(load_kernel, monkeypatch):
     ks = jnp.full((2,), 0.02, jnp.float32)
     kq, vq = (jnp.asarray(host_quantize(x, ks, "int8")) for x in (kp, vp))
     results = {}
-    for any_batch in ((), (None,)):
-        monkeypatch.setattr(k.pallas, "FUSED_WRITE_ANY_BATCH_CHIPS", any_batch)
+    assert kp.shape[1] == 16  # pages of 16 tokens: off the chip (None) the rule below decides
+    for pages, calls in (({}, 2), ({None: 32}, 2), ({None: 16}, 1)):
+        monkeypatch.setattr(k.pallas, "FUSED_WRITE_ANY_BATCH_PAGE", pages)
         jax.clear_caches()
-        assert len(pallas_calls(k.pallas.write_and_attend, *args)) == (1 if any_batch else 2)
+        assert len(pallas_calls(k.pallas.write_and_attend, *args)) == calls
         quantized = pallas_calls(k.pallas.write_and_attend, q, new_k, new_v, kq, vq, lens, table, cu, k_scale=ks,
                                  v_scale=ks)
         assert len(quantized) == 2
         with interpret("fast"):
-            results[any_batch] = [np.asarray(x) for x in jax.jit(k.pallas.write_and_attend)(*args)]
-    for one, two in zip(results[(None,)], results[()]):
+            results[calls] = [np.asarray(x) for x in jax.jit(k.pallas.write_and_attend)(*args)]
+    for one, two in zip(results[1], results[2]):
         np.testing.assert_allclose(one, two, rtol=1e-6, atol=1e-6)
 
 

@@ -120,12 +120,15 @@ SMEM_DMA_ANY_LENGTH_CHIPS = ("v6e", "tpu7x")
 # model v2, layer us v5e / v6e / TPU7x, one kernel vs two calls: Qwen3 decode B=1 8.7 / 6.2 / 5.7 vs 12.4 / 10.4 / 10.4,
 # B=8 58.2 / 33.2 / 27.4 vs 60.6 / 35.2 / 29.7, B=64 page 16 459.4 / 250.2 / 197.9 vs 450.1 / 232.8 / 179.1.
 FUSED_WRITE_MAX_SEQS = 8
-# Chips where a cache of q's dtype takes the one kernel at any batch: v5e waits on its DMAs, which hide the
-# fused write's copies (partial last pages on, layer us, two calls -> one kernel: Qwen3 decode B=64 page 16
-# 447.6 -> 442.4, B=256 1743.8 -> 1721.5, page 128 447.9 -> 442.8, B=64 x 32k 5261.8 -> 5253.4, mixed 60
-# decode + 4 x 128 prefill page 16 627.6 -> 606.9; over an fp8 cache page 16 495.6 -> 505.9). On v6e it
-# paid at page 128 (230.9 -> 225.2) but not at page 16 (230.9 -> 236.1, B=256 893.5 -> 926.7).
-FUSED_WRITE_ANY_BATCH_CHIPS = ("v5e",)
+# Per chip, the smallest page (tokens) at which a cache of q's dtype takes the one kernel at any batch; other
+# chips never. v5e waits on its DMAs, which hide the fused write's copies at every page size (partial last
+# pages on, layer us, two calls -> one kernel: Qwen3 decode B=64 page 16 447.6 -> 442.4, B=256 1743.8 ->
+# 1721.5, page 128 447.9 -> 442.8, B=64 x 32k 5261.8 -> 5253.4, mixed 60 decode + 4 x 128 prefill page 16
+# 627.6 -> 606.9; over an fp8 cache page 16 495.6 -> 505.9). v6e hides them where a page is one copy of
+# many tokens (page 128: decode B=64 230.9 -> 225.2, mixed 313.4 -> 294.3) but not at page 16 (B=64 230.9
+# -> 236.1, B=256 893.5 -> 926.7); pages between 16 and 128 are not measured. TPU7x, bound by issuing its
+# copies, loses at page 128 too (decode B=64 127.4 -> 137.4, mixed 211.1 -> 211.4).
+FUSED_WRITE_ANY_BATCH_PAGE = {"v5e": 1, "v6e": 128}
 
 
 # --------------------------------------------------------------------------- validation
@@ -982,12 +985,12 @@ def write_and_attend(
     new_k/new_v, and copies the new rows from VMEM to their pages while it computes (the caches are
     aliased outputs: in place under jit with donated caches). Same arguments and rules as the two
     (new_k/new_v [T, Hkv, D] like q's rows; a quantized cache gets them quantized). More than
-    FUSED_WRITE_MAX_SEQS sequences (any number on FUSED_WRITE_ANY_BATCH_CHIPS with a cache of q's dtype), or
+    FUSED_WRITE_MAX_SEQS sequences (any number with a cache of q's dtype in pages of FUSED_WRITE_ANY_BATCH_PAGE), or
     a cache whose token rows split a packed 32-bit word (``fuses_write``: one KV head of bf16, fewer than four
     of a 1-byte dtype), take the two calls."""
     validate_write_and_attend(q, new_k, new_v, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks, scale, window,
                               softcap, block_q, block_kv, k_scale, v_scale)
-    any_batch = k_scale is None and current_chip() in FUSED_WRITE_ANY_BATCH_CHIPS
+    any_batch = k_scale is None and k_pages.shape[1] >= FUSED_WRITE_ANY_BATCH_PAGE.get(current_chip(), 1 << 31)
     if not fuses_write(k_pages) or (page_indices.shape[0] > FUSED_WRITE_MAX_SEQS and not any_batch):
         k_pages, v_pages = write_kv(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_lens, k_scale, v_scale)
         return ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks, scale, window,
