@@ -120,3 +120,9 @@ def test_fused_moe_v1_runs_sizes_off_its_grid_zero_padded_as_vllm_tpu_loads_them
     assert out.shape == (tokens, h)
     err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - reference)))
     assert err < 2e-2 * float(jnp.max(jnp.abs(reference)))
+
+    # counted at the sizes it runs: GPT-OSS-20B's 32 experts' weights at 3072 x 3072 and token rows of 3072
+    problem = problems.moe_problem(problems.GPT_OSS_20B, 1)
+    with vllm_tpu.chip("v6e"):
+        (step,) = runner._fused_moe_cost(problem, "v6e", {}).calls[0].step_types
+    assert step.dma_read[2] == 32 * 3 * 3072 * 3072 * 2 + 2 * 4 * 3072 * 2  # 2 tokens (one of padding) x top-4
