@@ -117,7 +117,8 @@ PARTIAL_PAGE_CHIPS = ("v5e", "v6e", None)
 SMEM_DMA_ANY_LENGTH_CHIPS = ("v6e", "tpu7x")
 # write_and_attend runs one kernel for up to this many sequences, the two calls above: the fused write's per-item
 # copies and waits (power-of-two pieces) cost more than the separate write_kv call once there are many items. Cost
-# model v2, layer us v5e / v6e / TPU7x, one kernel vs two calls: Qwen3 decode B=1 8.7 / 6.2 / 5.7 vs 12.4 / 10.4 / 10.4,
+# model v2, before partial last pages (PARTIAL_PAGE_CHIPS; FUSED_WRITE_ANY_BATCH_PAGE has later figures), layer us
+# v5e / v6e / TPU7x, one kernel vs two calls: Qwen3 decode B=1 8.7 / 6.2 / 5.7 vs 12.4 / 10.4 / 10.4,
 # B=8 58.2 / 33.2 / 27.4 vs 60.6 / 35.2 / 29.7, B=64 page 16 459.4 / 250.2 / 197.9 vs 450.1 / 232.8 / 179.1.
 FUSED_WRITE_MAX_SEQS = 8
 # Per chip, the smallest page (tokens) at which a cache of q's dtype takes the one kernel at any batch; other
@@ -985,7 +986,8 @@ def write_and_attend(
     new_k/new_v, and copies the new rows from VMEM to their pages while it computes (the caches are
     aliased outputs: in place under jit with donated caches). Same arguments and rules as the two
     (new_k/new_v [T, Hkv, D] like q's rows; a quantized cache gets them quantized). More than
-    FUSED_WRITE_MAX_SEQS sequences (any number with a cache of q's dtype in pages of FUSED_WRITE_ANY_BATCH_PAGE), or
+    FUSED_WRITE_MAX_SEQS sequences (on a chip of FUSED_WRITE_ANY_BATCH_PAGE, any number with a cache of q's dtype in
+    pages of at least its entry's tokens), or
     a cache whose token rows split a packed 32-bit word (``fuses_write``: one KV head of bf16, fewer than four
     of a 1-byte dtype), take the two calls."""
     validate_write_and_attend(q, new_k, new_v, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks, scale, window,
