@@ -68,8 +68,8 @@ class Model:
 # transformers' Qwen3MoeConfig for Qwen/Qwen3-30B-A3B (checked against its config.json fields)
 QWEN3_30B_A3B = Model("Qwen3-30B-A3B", hidden=2048, experts=128, top_k=8, moe_intermediate=768,
                       q_heads=32, kv_heads=4, head_dim=128, short="Qwen3",
-                      decode=((1, 16), (8, 16), (64, 16), (256, 16), (64, 128), (64, 16, 8192), (256, 16, 8192),
-                              (64, 16, 32768)),
+                      decode=((1, 16), (8, 16), (64, 16), (256, 16), (64, 32), (64, 64), (64, 128), (64, 256),
+                              (256, 256), (64, 16, 8192), (256, 16, 8192), (64, 256, 8192), (64, 16, 32768)),
                       quantized_moe=(("fp8", 1), ("fp8", 64), ("fp8", 256), ("int8", 64)),
                       quantized_decode=(("fp8", 64, 16), ("fp8", 64, 128), ("int8", 64, 128)))
 # openai/gpt-oss-20b's config.json shapes (its experts are computed here as SiLU-gated, unbiased, as
@@ -102,7 +102,7 @@ DECODE_CONTEXT = (1024, 4096)  # each sequence's context length, uniform in this
 # Mixed prefill/decode batches: (decode sequences, prefill chunks, tokens per chunk, page size). Every
 # sequence's length (its chunk included) is uniform in DECODE_CONTEXT. (Not a Model field: that would
 # change every problem's recipe, the compile cache's key.)
-MIXED = {QWEN3_30B_A3B.name: ((60, 4, 128, 16), (60, 4, 128, 128))}
+MIXED = {QWEN3_30B_A3B.name: ((60, 4, 128, 16), (60, 4, 128, 128), (60, 4, 128, 256))}
 
 
 @dataclasses.dataclass
