@@ -100,8 +100,8 @@ MODELS = (QWEN3_30B_A3B, GPT_OSS_20B, GEMMA4_26B_A4B, QWEN3_235B_A22B, GEMMA3_4B
 EXPERTS_STORAGE = {GPT_OSS_20B.name: "transposed-interleaved"}
 DECODE_CONTEXT = (1024, 4096)  # each sequence's context length, uniform in this range (seeded)
 # Mixed prefill/decode batches: (decode sequences, prefill chunks, tokens per chunk, page size). Every
-# sequence's length (its chunk included) is uniform in DECODE_CONTEXT. (Not a Model field: that would
-# change every problem's recipe, the compile cache's key.)
+# sequence's length (its chunk included) is uniform in DECODE_CONTEXT. (A Model's fields are in its problems'
+# recipes, but the compile cache keys a program by its shapes, not its recipe: a new row compiles alone.)
 MIXED = {QWEN3_30B_A3B.name: ((60, 4, 128, 16), (60, 4, 128, 128), (60, 4, 128, 256))}
 
 
