@@ -546,7 +546,8 @@ def test_write_kv_copies_runs_of_new_rows(load_kernel, mode, page, dtype):
 def test_metadata_one_hot_forms_match_search_and_cummax(load_kernel, monkeypatch):
     """sanitize_cu and write_slots take one-hot / masked forms up to ONE_HOT_LIMIT (one fused XLA op each) and
     cummax / searchsorted + gathers past it: both give the same answers, bad metadata included (cu_q_lens
-    decreasing, negative, past T; kv_lens too short; page ids out of range)."""
+    decreasing, negative, past T; kv_lens too short; page ids out of range, up to int32's extremes, which the
+    one-hot form's f32 table must not bring back into range)."""
     pallas = load_kernel("paged_attention").pallas
     limits = (pallas.ONE_HOT_LIMIT, 0)
     rng = np.random.default_rng(3)
@@ -560,6 +561,7 @@ def test_metadata_one_hot_forms_match_search_and_cummax(load_kernel, monkeypatch
             bad_cu[2], bad_cu[-1] = bad_cu[1] - 1, t + 9  # decreasing, past T
         bad_table = np.array(table).copy()
         bad_table[0, 0], bad_table[-1, -1] = -3, num_pages + 2
+        bad_table[-1, 0], bad_table[0, -1] = np.iinfo(np.int32).max, np.iinfo(np.int32).min
         for cu_, table_, lens_ in ((cu, table, lens), (jnp.asarray(bad_cu), jnp.asarray(bad_table), lens),
                                    (cu, table, jnp.asarray(np.asarray(lens) - rng.integers(0, 3, len(q_lens))))):
             want_cu = np.maximum.accumulate(np.clip(np.asarray(cu_), 0, t))
