@@ -19,7 +19,9 @@ resident output block that each of them fills in, and a decode batch is one grid
 item, only the pages its rows can see (causal end, sliding-window start) are fetched, ``block_kv``
 tokens at a time, by manual DMAs from HBM into a double-buffered VMEM scratch: chunk c+1 is in
 flight while chunk c is computed, and during an item's last chunk the next item's first (its
-page-table row fetched into SMEM beforehand), so no item waits for its first DMA. Whole pages
+page-table row fetched into SMEM beforehand), so no item waits for its first DMA. A step's items
+are one loop of chunks, not a loop of items each looping over its chunks: an item's start (init) and
+end (finalize) run in its first and last chunk's iteration, while the next chunk flies. Whole pages
 [page, Hkv, D] are copied (one contiguous DMA each; on PARTIAL_PAGE_CHIPS a sequence's last page only up to
 its end) as page * Hkv dense rows (token, head), and every
 KV head is computed from them, so GQA never repeats K/V; a head's keys are one strided sublane load
@@ -569,7 +571,7 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
         _wait_units(state[PENDING + slot], chunk, wait_tokens(lambda i: write_sems.at[i, slot], slot))
         state[PENDING + slot] = 0
 
-    # State carried from item to item (the grid runs in order, each tile's items in a loop): which
+    # State carried from item to item (the grid runs in order, each tile's items in one loop): which
     # table_smem row holds this item's page-table row, which K/V slot its first chunk goes to, and the
     # item (tile, sequence) whose first chunk (and table row) the previous item already fetched: an
     # item's first chunk is prefetched while the previous item computes its last, so no item waits
@@ -596,14 +598,19 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
     seq_lo, seq_hi = tile_sequences(tile)
     next_lo, next_hi = tile_sequences(tile + 1)
 
-    def attend(s, carry):
+    def step(carry):
+        """One iteration of the grid step's DMA loop: chunk i of item s (its ``body``), and at the item's
+        first iteration its start (page-table row, row blocks' init), at its last its end (finalize)."""
+        s, i = carry
         me = plan(tile, s)
         tile_start, q_start, lo, hi = me["tile_start"], me["q_start"], me["lo"], me["hi"]
         offset, kv_end, num_chunks = me["offset"], me["kv_end"], me["num_chunks"]
         row, base = state[ROW], state[SLOT]
         prefetched = (state[PF_TILE] == tile) & (state[PF_SEQ] == s)
 
-        @pl.when(jnp.logical_not(prefetched))
+        first_iter = i == 0
+
+        @pl.when(jnp.logical_not(prefetched) & first_iter)
         def _():
             table_copy(s, row).start()
             table_copy(s, row).wait()
@@ -616,7 +623,7 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
         nxt = jnp.minimum(nxt, num_seqs - 1)  # a sequence id in range even when there is no next
         nxt_plan = plan(nxt_tile, nxt)
 
-        @pl.when(has_next)
+        @pl.when(has_next & first_iter)
         def _():
             table_copy(nxt, 1 - row).start()
 
@@ -633,11 +640,11 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
         first_small, end_small = span(block_sizes[0])
         small = end_small - first_small <= 2
 
-        def for_blocks(fn):
+        def for_blocks(fn, when=True):  # fn over the item's row blocks (none where ``when`` is false)
             for size in block_sizes:  # static sizes; one loop runs per item, the others have no trips
                 first, end = span(size)
-                if len(block_sizes) > 1:
-                    end = jnp.where(small == (size == block_sizes[0]), end, first)
+                run = when & (small == (size == block_sizes[0])) if len(block_sizes) > 1 else when
+                end = jnp.where(run, end, first)
                 jax.lax.fori_loop(first, end, functools.partial(fn, size), 0)
 
         def block_rows(size, j):
@@ -662,15 +669,16 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
             acc_ref[:, rs, :] = jnp.zeros((hkv, size, d), jnp.float32)
             return carry
 
-        for_blocks(init_block)
+        for_blocks(init_block, first_iter)
 
         # Iteration i starts chunk i - lead + 1 (after the last, the next item's first) and computes chunk
         # i - lead: double buffering, the next chunk flies while this one computes. An item whose first
         # chunk was not prefetched takes one issue-only iteration first (lead = 1), so the page-copy code
         # (unrolled, a DMA per page) is in the schedule once, not also at the item's start.
         lead = (jnp.logical_not(prefetched) & (num_chunks > 0)).astype(jnp.int32)
+        last_iter = i + 1 == jnp.maximum(num_chunks + lead, 1)  # an item without chunks still has one
 
-        def body(i, carry):
+        def body(i):
             c = i - lead  # the chunk computed
             last = c + 1 == num_chunks
             slot = jax.lax.rem(base + c + 1, 2)  # the chunk started goes to this slot, chunk c is in the other
@@ -679,7 +687,7 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
             def _():
                 table_copy(nxt, 1 - row).wait()
 
-            @pl.when(jnp.logical_not(last) | has_next)
+            @pl.when((jnp.logical_not(last) & (num_chunks > 0)) | has_next)
             def _():
                 if write:
                     wait_writes(slot)
@@ -688,11 +696,9 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
                 target = {k: jnp.where(last, nxt_plan[k], me[k]) for k in keys}
                 start_pages(target, jnp.where(last, 1 - row, row), jnp.where(last, 0, c + 1), slot)
 
-            @pl.when(c >= 0)
+            @pl.when((c >= 0) & (c < num_chunks))
             def _():
                 compute_chunk(c, 1 - slot, row)
-
-            return carry
 
         def compute_chunk(c, slot, row):
             wait_pages(me, c, slot)
@@ -790,11 +796,14 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
 
             for_blocks(compute_block)
 
-        jax.lax.fori_loop(0, num_chunks + lead, body, 0)
-        state[SLOT] = jax.lax.rem(base + num_chunks, 2)
-        state[ROW] = jnp.where(has_next, 1 - row, row)
-        state[PF_TILE] = jnp.where(has_next, nxt_tile, -1)
-        state[PF_SEQ] = nxt
+        body(i)
+
+        @pl.when(last_iter)
+        def _():
+            state[SLOT] = jax.lax.rem(base + num_chunks, 2)
+            state[ROW] = jnp.where(has_next, 1 - row, row)
+            state[PF_TILE] = jnp.where(has_next, nxt_tile, -1)
+            state[PF_SEQ] = nxt
 
         def finalize_block(size, j, carry):
             _, rs, r, _, mine = block_rows(size, j)
@@ -817,11 +826,18 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
                 o_ref[h, rs, :] = jnp.where(mine, out.astype(o_ref.dtype), o_ref[h, rs, :])
             return carry
 
-        for_blocks(finalize_block)
-        return carry
+        for_blocks(finalize_block, last_iter)
+        return jnp.where(last_iter, s + 1, s), jnp.where(last_iter, 0, i + 1)
 
-    # A tile's items are a loop in its grid step (not a step each): sequences seq_lo..seq_hi-1 have rows in it.
-    jax.lax.fori_loop(seq_lo, seq_hi, attend, 0)
+    # A tile's items (sequences seq_lo..seq_hi-1 have rows in it) are one loop in its grid step, an iteration
+    # per chunk: an item's start and end run in its first and last iteration, beside the chunks in flight
+    # (RPA v3's shape). A loop of items each looping over its chunks ran them between two DMA loops, where the
+    # next item's chunk was in flight too, but cost model v2 charges code outside a DMA loop in series. Layer us
+    # v5e / v6e / TPU7x, items loop -> one loop: Qwen3 decode B=64 x 8k page 256 1324.8 / 666.0 / 305.2 ->
+    # 1314.8 / 658.3 / 299.4, B=64 page 16 441.7 / 229.8 / 176.5 -> 431.6 / 225.4 / 176.9; items of several
+    # chunks run the item's code (about 156 bundles on TPU7x) every chunk, which compute-bound TPU7x pays:
+    # B=256 x 8k page 16 (two chunks an item) 5292.6 / 2669.9 / 1444.8 -> 5253.0 / 2639.3 / 1465.0.
+    jax.lax.while_loop(lambda carry: carry[0] < seq_hi, step, (seq_lo, jnp.int32(0)))
 
     if write:
         @pl.when(tile == num_tiles - 1)
