@@ -840,7 +840,7 @@ def _kernel(kv_lens_ref, cu_ref,  # scalar prefetch (SMEM)
     # v5e / v6e / TPU7x, items loop -> one loop: Qwen3 decode B=64 x 8k page 256 1324.8 / 666.0 / 305.2 ->
     # 1314.8 / 658.3 / 299.4, B=64 page 16 441.7 / 229.8 / 176.5 -> 431.6 / 225.4 / 176.9; items of several
     # chunks run the item's code (about 156 bundles on TPU7x) every chunk, which compute-bound TPU7x pays:
-    # B=256 x 8k page 16 (two chunks an item) 5292.6 / 2669.9 / 1444.8 -> 5253.0 / 2639.3 / 1465.0.
+    # B=64 x 32k page 16 (four chunks an item) 5252.8 / 2636.2 / 1314.3 -> 5243.0 / 2628.5 / 1328.3.
     jax.lax.while_loop(lambda carry: carry[0] < seq_hi, step, (seq_lo, jnp.int32(0)))
 
     if write:

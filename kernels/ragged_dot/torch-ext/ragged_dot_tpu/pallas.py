@@ -253,6 +253,12 @@ def choose_tgmm_tiling(m: int, k: int, n: int, *, in_dtype, out_dtype, chip: str
 
 # --------------------------------------------------------------------------- group metadata
 
+def _udiv(a: jax.Array, b) -> jax.Array:
+    """a // b for non-negative int32 a, as unsigned division: a signed one adds sign fix-up ops (negate,
+    select, ...), and around the kernels each small op is a launch of its own on the TPU."""
+    return lax.div(a.astype(jnp.uint32), jnp.uint32(b)).astype(jnp.int32)
+
+
 def group_metadata(group_sizes: jax.Array, m: int, tm: int):
     """Work items for the transposed grouped matmul (tgmm: one output per group) over m rows in tiles
     of tm, computed on device: each non-empty group's tiles, and one item for each empty group (its
@@ -266,9 +272,9 @@ def group_metadata(group_sizes: jax.Array, m: int, tm: int):
     g = group_sizes.shape[0]
     tiles = -(-m // tm)
     # Every op here is a launch on the TPU (XLA leaves small scalar ops unfused): unsigned division of
-    # these non-negative values (a signed one adds sign fix-up ops: negate, select, ...), a compare-all
-    # searchsorted (one fusion, not a while loop) and one cummax for both fetch indices.
-    div = lambda a: lax.div(a.astype(jnp.uint32), jnp.uint32(tm)).astype(jnp.int32)  # noqa: E731
+    # these non-negative values (``_udiv``), a compare-all searchsorted (one fusion, not a while loop) and
+    # one cummax for both fetch indices.
+    div = functools.partial(_udiv, b=tm)
     gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     ends = jnp.minimum(jnp.cumsum(gs), m).astype(jnp.int32)
     starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
@@ -329,7 +335,7 @@ def run_metadata(row_groups: jax.Array, tm: int, num_groups: int, windows: int |
     e = jnp.arange(g + 2, dtype=jnp.int32)
     first_row = jnp.sum(key[None, :] < e[:, None], axis=1, dtype=jnp.int32)
     lo, hi = first_row[:-1], first_row[1:]
-    div = lambda a: lax.div(a.astype(jnp.uint32), jnp.uint32(tm)).astype(jnp.int32)  # noqa: E731 (non-negative)
+    div = functools.partial(_udiv, b=tm)
     if windows:  # windows of up to tm rows from the group's first row
         count = div(hi - lo + tm - 1)
     else:  # the tiles the group's rows touch
@@ -366,8 +372,7 @@ def sort_by_expert(top_k_index: jax.Array, num_experts: int):
     ids = top_k_index.reshape(-1).astype(jnp.int32)
     key = jnp.where((ids >= 0) & (ids < num_experts), ids, num_experts)
     keys, order = lax.sort((key, jnp.arange(key.shape[0], dtype=jnp.int32)), num_keys=1, is_stable=True)
-    k = jnp.uint32(max(top_k_index.shape[1], 1))
-    return keys, order, lax.div(order.astype(jnp.uint32), k).astype(jnp.int32)  # unsigned: no sign fix-up
+    return keys, order, _udiv(order, max(top_k_index.shape[1], 1))
 
 
 # --------------------------------------------------------------------------- epilogues
