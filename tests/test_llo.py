@@ -123,6 +123,9 @@ ENTRY %main (cache: bf16[64,128], upd: bf16[4,128], idx: s32[4], x: bf16[4096,12
   %fusion.1 = bf16[64,128]{1,0} fusion(%cache, %idx, %upd), kind=kLoop, calls=%fused_computation.1
   %copy-start = (bf16[4,128]{1,0:S(1)}, bf16[4,128]{1,0}, u32[]) copy-start(%upd)
   %copy-done = bf16[4,128]{1,0:S(1)} copy-done(%copy-start)
+  %slice-start = ((bf16[4096,128]{1,0}), bf16[512,128]{1,0:S(1)}, s32[]{:S(2)}) slice-start(%x), slice={[512:1024], [0:128]}
+  %slice-done = bf16[512,128]{1,0:S(1)} slice-done(%slice-start)
+  %slice.2 = bf16[16,128]{1,0:S(1)} slice(%x), slice={[0:16], [0:128]}
   %gather_fusion = bf16[8,128]{1,0} fusion(%x, %ids), kind=kCustom, calls=%fused_computation.2
   %offload = ((), (), (s32[16]{0})) custom-call-start(), async_execution_thread="sparsecore"
   %offload.update = ((bf16[4096,128]{1,0}, s32[8]{0}), bf16[8,128]{1,0}, (s32[16]{0})) custom-call-update(%offload, %x, %ids)
@@ -142,6 +145,9 @@ def test_entry_ops_bytes_in_place_partial_reads_vmem_and_multiline_instructions(
     assert ops["fusion.1"]["hbm_bytes"] == 2 * (4 * 128 * 2 + 4 * 4)  # the update (and indices), not the cache
     assert ops["copy-start"]["hbm_bytes"] == 4 * 128 * 2  # into VMEM (S(1)): only the HBM side counts
     assert ops["copy-done"]["hbm_bytes"] == 0
+    # XLA's prefetch of part of an operand into VMEM (an async slice): the part read, not the whole operand
+    assert ops["slice-start"]["hbm_bytes"] == 512 * 128 * 2 and ops["slice-done"]["hbm_bytes"] == 0
+    assert ops["slice.2"]["hbm_bytes"] == 16 * 128 * 2
     assert ops["gather_fusion"]["hbm_bytes"] == 2 * 8 * 128 * 2 + 8 * 4  # the rows gathered, not the table
     # an offloaded gather's update: the result, not the operands its tuple repeats, plus what it reads
     assert ops["offload.update"]["hbm_bytes"] == 8 * 128 * 2 + 16 * 4 + 4096 * 128 * 2 + 8 * 4

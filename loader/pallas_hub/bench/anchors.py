@@ -187,30 +187,21 @@ def _fused_moe_tokens(x, router_logits, hidden: int):
             jnp.pad(router_logits, ((0, rows), (0, 0))).astype(x.dtype))
 
 
-def fused_moe_v1_layer(mesh, x, router_logits, w1, w2, w1_scale=None, w2_scale=None, *, top_k: int):
+def fused_moe_v1_layer(mesh, x, router_logits, w1, w2, w1_scale=None, w2_scale=None, *, top_k: int,
+                       reference: bool = False):
     """vLLM TPU's fused_moe v1 on one device (a 1 x 1 mesh, no expert parallelism): routing by
     softmax top-k of the logits (renormalised, as Qwen3), SiLU experts, the weighted sum.
     Weights [E, 2, H', I'] and [E, I', H'] at ``fused_moe_v1_sizes`` (bf16, or quantized with
-    sub-channel scales); tokens [T, H] padded around the call as vLLM TPU pads them."""
+    sub-channel scales); tokens [T, H] padded around the call as vLLM TPU pads them.
+    ``reference``: fused_moe v1's own plain-JAX reference (``ref_moe``, no mesh) on the same inputs and settings."""
     from . import vllm_tpu
 
     t, h = x.shape
     xp, logits = _fused_moe_tokens(x, router_logits, w1.shape[2])
-    out = vllm_tpu.fused_moe_v1().fused_ep_moe(mesh, xp, w1, w2, logits, top_k,
-                                               renormalize_topk_logits=True, act_fn="silu", scoring_fn="softmax",
-                                               **_subchannel_scales(w1, w2, w1_scale, w2_scale))
-    return out[:t, :h]
-
-
-def fused_moe_v1_reference(mesh, x, router_logits, w1, w2, w1_scale=None, w2_scale=None, *, top_k: int):
-    """fused_moe v1's own plain-JAX reference (``ref_moe``) on the same inputs and settings."""
-    from . import vllm_tpu
-
-    t, h = x.shape
-    xp, logits = _fused_moe_tokens(x, router_logits, w1.shape[2])
-    out = vllm_tpu.fused_moe_v1().ref_moe(xp, w1, w2, logits, top_k,
-                                          renormalize_topk_logits=True, act_fn="silu", scoring_fn="softmax",
-                                          **_subchannel_scales(w1, w2, w1_scale, w2_scale))
+    module = vllm_tpu.fused_moe_v1()
+    call = module.ref_moe if reference else functools.partial(module.fused_ep_moe, mesh)
+    out = call(xp, w1, w2, logits, top_k, renormalize_topk_logits=True, act_fn="silu", scoring_fn="softmax",
+               **_subchannel_scales(w1, w2, w1_scale, w2_scale))
     return out[:t, :h]
 
 

@@ -89,14 +89,14 @@ _ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\](\{[^}]*\}
 _FREE = {"parameter", "get-tuple-element", "tuple", "bitcast", "constant", "after-all", "partition-id",
          "replica-id", "opt-barrier"}
 _IN_PLACE = {"dynamic-update-slice", "scatter"}
-_PARTIAL_READ = {"gather", "dynamic-slice", "slice"}
+_PARTIAL_READ = {"gather", "dynamic-slice", "slice", "slice-start"}
 
 
-def _bytes(type_text: str) -> int:
-    """HBM bytes of every array in an HLO type (buffers laid out in VMEM, ``S(1)``, excluded)."""
+def _bytes(type_text: str, vmem: bool = False) -> int:
+    """HBM bytes of every array in an HLO type (buffers laid out in VMEM, ``S(1)``, excluded unless ``vmem``)."""
     total = 0
     for dt, dims, layout in _ARRAY.findall(type_text):
-        if layout and "S(1)" in layout:
+        if layout and "S(1)" in layout and not vmem:
             continue
         total += int(math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dt])
     return total
@@ -185,8 +185,9 @@ def entry_ops(hlo: str) -> list[dict]:
         elif root in _IN_PLACE:  # the output aliases the buffer operand: only the update moves
             big = max(range(len(ins)), key=lambda i: ins[i]) if ins else None
             hbm = 2 * sum(b for i, b in enumerate(ins) if i != big)
-        elif root in _PARTIAL_READ:  # reads what it extracts, not the whole operand
-            hbm = out + sum(min(b, out) for b in ins)
+        elif root in _PARTIAL_READ:  # reads what it extracts (into HBM or VMEM), not the whole operand
+            size = _bytes(_output_type(opcode, type_text), vmem=True)
+            hbm = out + sum(min(b, size) for b in ins)
         else:
             hbm = out + sum(ins)
         kernel = opcode == "custom-call" and bool(target) and target.group(1) == "tpu_custom_call"

@@ -272,7 +272,7 @@ def _fused_moe_fn(x, logits, w1, w2, *scales, chip, device=None, top_k):
 
 
 def _fused_moe_reference(x, logits, w1, w2, *scales, chip, top_k):
-    return anchors.fused_moe_v1_reference(None, x, logits, w1, w2, *scales, top_k=top_k)
+    return anchors.fused_moe_v1_layer(None, x, logits, w1, w2, *scales, top_k=top_k, reference=True)
 
 
 def _fused_moe_cost(problem: Problem, chip: str, options: dict):
