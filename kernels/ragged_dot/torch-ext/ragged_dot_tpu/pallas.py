@@ -1265,10 +1265,10 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
             loop over its rows (up to ADD_ROWS - 1 past hi: to the trash row too)."""
             trash = sums.shape[0] - 1
 
-            def four(r0):
-                # ADD_ROWS rows at a time, their sums read before any is written; a token twice in a group
-                # (an expert listed twice) has adjacent rows: the second takes the first's new sum
-                rs = [r0 + u for u in range(ADD_ROWS)]
+            def at_once(r0, n):
+                # n rows at a time, their sums read before any is written; a token twice in a group (an
+                # expert listed twice) has adjacent rows: the second takes the first's new sum
+                rs = [r0 + u for u in range(n)]
                 ts = [jnp.where((r >= lo) & (r < hi) if straight else r < hi, row_token[base + r], trash) for r in rs]
                 olds = [sums[pl.ds(t, 1), :] for t in ts]
                 prev = None
@@ -1276,11 +1276,13 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
                     old = olds[u] if u == 0 else jnp.where(t == ts[u - 1], prev, olds[u])
                     prev = old + ybuf[slot, pl.ds(r, 1), :]
                     sums[pl.ds(t, 1), :] = prev
-            if straight:
-                for r0 in range(0, chunk, ADD_ROWS):
-                    four(r0)
+            if straight:  # a row at a time (see STRAIGHT_ADD_ROWS)
+                for r0 in range(0, chunk, STRAIGHT_ADD_ROWS):
+                    at_once(r0, STRAIGHT_ADD_ROWS)
             else:
-                lax.fori_loop(0, lax.div(hi - lo + ADD_ROWS - 1, ADD_ROWS), lambda n, c: (four(lo + n * ADD_ROWS), c)[1], 0)
+                lax.fori_loop(0, lax.div(hi - lo + ADD_ROWS - 1, ADD_ROWS),
+                              lambda n, c: (at_once(lo + n * ADD_ROWS, ADD_ROWS), c)[1], 0)
+
         def rest_copy(slot, base):
             return pltpu.make_async_copy(rbuf.at[slot], rest_ref.at[pl.ds(pl.multiple_of(base, sub), span)],
                                          rsem.at[slot])
@@ -1581,6 +1583,14 @@ def fused_moe_tiling(m, h, i, *, in_dtype, out_dtype, chip=None, transposed=True
 # Gemma-4 at 8192 does not; Gemma-4 at 2048 tokens on TPU7x, 0.87 of its VMEM by the estimate, does:
 # 730.4 -> 607.1 us).
 ADD_ROWS = 4
+# Straight-line adds (``straight_adds``) go a row at a time: the scheduler fits the short chains among the
+# dots better than four rows' loads, adds and stores at once. Compiled for v6e, a chunk's dots and adds:
+# Qwen3-30B-A3B at 8192 tokens 6345 bundles (4 rows at a time) -> 6172 (8 rows: 6462), at 2048 tokens 5265
+# -> 4727; TPU7x at 2048 tokens 4345 -> 4271. Layer us (cost model): Qwen3 at 8192 tokens v6e 1268.6 ->
+# 1243.5, TPU7x 1015.4 -> 995.9; 2048 tokens 0.3-1.8 us faster; but GPT-OSS-20B at 8192 tokens on v6e 3493.8 ->
+# 3502.7 and v5e's 8192-token rows about 2 us slower. Tying the adds to the activation (a store to the trash
+# row they must follow), so they land among the down dots only, compiled to 7087 at 8192 tokens on v6e.
+STRAIGHT_ADD_ROWS = 1
 # At the last step the sums leave VMEM converted to the result's dtype, a block of rows a DMA, two in flight:
 # blocks of WRITE_ROWS (all the planners count) up to MAX_WRITE_ROWS, as the VMEM left under COMBINE_VMEM
 # allows, in whole sublane tiles dividing the result's rows (the cost model charges a step's overhead per
