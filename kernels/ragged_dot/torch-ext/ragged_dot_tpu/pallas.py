@@ -1587,8 +1587,8 @@ ADD_ROWS = 4
 # dots better than four rows' loads, adds and stores at once. Compiled for v6e, a chunk's dots and adds:
 # Qwen3-30B-A3B at 8192 tokens 6345 bundles (4 rows at a time) -> 6172 (8 rows: 6462), at 2048 tokens 5265
 # -> 4727; TPU7x at 2048 tokens 4345 -> 4271. Layer us (cost model): Qwen3 at 8192 tokens v6e 1268.6 ->
-# 1243.5, TPU7x 1015.4 -> 995.9; 2048 tokens 0.3-1.8 us faster; but GPT-OSS-20B at 8192 tokens on v6e 3493.8 ->
-# 3502.7 and v5e's 8192-token rows about 2 us slower. Tying the adds to the activation (a store to the trash
+# 1243.5, TPU7x 1015.4 -> 995.9; 2048 tokens 0.1-2.5 us faster; but GPT-OSS-20B on v6e at 8192 tokens 3493.8 ->
+# 3502.7 (at 2048 +0.3) and v5e's Qwen3 and Gemma-4 at 8192 tokens about 2 us slower. Tying the adds to the activation (a store to the trash
 # row they must follow), so they land among the down dots only, compiled to 7087 at 8192 tokens on v6e.
 STRAIGHT_ADD_ROWS = 1
 # At the last step the sums leave VMEM converted to the result's dtype, a block of rows a DMA, two in flight:
