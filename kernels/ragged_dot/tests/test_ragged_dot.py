@@ -490,45 +490,68 @@ def _gpt_oss_reference(x, gu, gu_b, dn, dn_b, sizes, alpha=1.702, limit=7.0):
     return out
 
 
-@pytest.mark.parametrize("width", [128, 256, 384, 1920])  # one block, whole blocks, a narrower last one
-@pytest.mark.parametrize("on_mxu", [False, True])
-def test_deinterleave_splits_gate_and_up_lanes(load_kernel, width, on_mxu):
-    """GPT-OSS's interleaved gate/up lanes, split in a kernel (interpret mode) by the XLU's transposes
-    (exactly) or the MXU (hi + lo bf16 parts: to 2^-16 of each value) against strided slices, on values
-    spanning f32's range, signs and zeros."""
+@pytest.mark.parametrize("width", [128, 256, 384, 1920])  # one tile, whole tiles, 15 tiles
+def test_deinterleave_splits_gate_and_up_lanes(load_kernel, width):
+    """GPT-OSS's interleaved gate/up lanes, split in a kernel (interpret mode) by the XLU's transposes, exactly
+    as strided slices, on values spanning f32's range, signs and zeros."""
     P = load_kernel("ragged_dot").pallas
     ks = jax.random.split(jax.random.key(9), 2)
     y = jax.random.normal(ks[0], (24, width)) * 10.0 ** jax.random.randint(ks[1], (24, width), -30, 31)
     y = y.at[3].set(0.0)
 
     def kernel(y_ref, g_ref, u_ref):
-        g_ref[...], u_ref[...] = P._deinterleave(y_ref[...], on_mxu)
+        g_ref[...], u_ref[...] = P._deinterleave(y_ref[...])
     half = jax.ShapeDtypeStruct((24, width // 2), jnp.float32)
     with interpret("fast"):
         gate, up = pl.pallas_call(kernel, out_shape=(half, half), interpret=True)(y)
-    for got, want in ((gate, y[:, 0::2]), (up, y[:, 1::2])):
-        got, want = np.asarray(got), np.asarray(want)
-        if on_mxu:
-            np.testing.assert_allclose(got, want, rtol=2.0 ** -16, atol=0)
-        else:
-            np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(np.asarray(gate), np.asarray(y[:, 0::2]))
+    np.testing.assert_array_equal(np.asarray(up), np.asarray(y[:, 1::2]))
 
 
-def test_gpt_oss_splits_gate_and_up_on_the_mxu_where_it_measured_faster(load_kernel):
-    """MXU_DEINTERLEAVE_ROWS: GPT-OSS-20B (32 experts, top-4) at 2048 tokens on TPU7x, not at 8192 (MXU-bound),
-    nor on v5e (a 128-wide MXU: 4 MXU tiles a 256-lane block)."""
+@pytest.mark.parametrize("width", [128, 256, 384, 1920])  # one tile, one gathering block, a narrower last one
+@pytest.mark.parametrize("activation", ["swiglu_oai", "silu"])  # GPT-OSS's, and one unclamped
+def test_activate_pairs_is_the_activation_of_the_split_lanes(load_kernel, width, activation):
+    """Interleaved gate/up activated as pairs in a kernel (interpret mode: the roll, the activation in place,
+    the MXU gathering the even lanes) is bit for bit the activation of the strided slices, rounded to bf16.
+    Infinite up lanes (clamped to finite values by GPT-OSS's activation) and a NaN gate: rows whose activation
+    is finite are exact, the others stay non-finite (where the down product would take them anyway)."""
     P = load_kernel("ragged_dot").pallas
-    assert P.deinterleaves_on_mxu(2048 * 4, 32, "tpu7x") and not P.deinterleaves_on_mxu(8192 * 4, 32, "tpu7x")
-    assert not P.deinterleaves_on_mxu(2048 * 4, 32, "v5e")
+    y = 4 * jax.random.normal(jax.random.key(width), (24, width))
+    y = y.at[3].set(0.0).at[5, 7].set(jnp.inf).at[6, width - 1].set(-jnp.inf).at[7, 10].set(jnp.nan)
+
+    def kernel(y_ref, o_ref):
+        o_ref[...] = P._activate_pairs(y_ref[...], activation, 1.702, 7.0, jnp.bfloat16)
+    with interpret("fast"):
+        got = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((24, width // 2), jnp.bfloat16),
+                             interpret=True)(y)
+    want = np.asarray(P._activate(y[:, 0::2], y[:, 1::2], activation, 1.702, 7.0).astype(jnp.bfloat16), np.float32)
+    got = np.asarray(got, np.float32)
+    finite = np.isfinite(want).all(axis=1)
+    assert finite[5] == finite[6] == (activation == "swiglu_oai") and not finite[7]
+    np.testing.assert_array_equal(got[finite], want[finite])
+    assert not np.isfinite(got[~finite]).all(axis=1).any()
+
+
+def test_gpt_oss_activates_pairs_where_it_measured_faster(load_kernel):
+    """activates_pairs: GPT-OSS-20B (32 experts, top-4) on v6e and TPU7x at every size; on v5e (a 128-wide
+    MXU) at decode-sized groups only (64 tokens: 8 rows an expert), not at 2048 tokens. Only bf16 results
+    in whole lane tiles take pairs."""
+    P = load_kernel("ragged_dot").pallas
+    assert all(P.activates_pairs(t * 4, 32, c) for t in (1, 2048, 8192) for c in ("v6e", "tpu7x"))
+    assert P.activates_pairs(64 * 4, 32, "v5e") and not P.activates_pairs(2048 * 4, 32, "v5e")
+    assert P._pairs(True, 1920, jnp.bfloat16, 8192, 32, "v6e", None)
+    assert not P._pairs(True, 1920, jnp.float32, 8192, 32, "v6e", True)  # f32: the transposes, even if asked
+    assert not P._pairs(True, 192, jnp.bfloat16, 8192, 32, "v6e", True)  # off the lane tiles
+    assert not P._pairs(False, 1920, jnp.bfloat16, 8192, 32, "v6e", True)  # [gate; up] halves
 
 
 @pytest.mark.parametrize("mode,layout,i,ti,tm,chunk,sizes", [
     # [gate; up] halves in transformers' layout, 2 tiles of 128 (down [E, H, I]: tiles in its lanes)
     ("fast", "halves", 256, 128, 64, 32, [17, 43, 0, 3, 2, 30]),
     # GPT-OSS: interleaved [E, H, 2I] with biases, 3 tiles of 64 units (128 interleaved lanes); a group
-    # crossing the 64-row tile boundary, empty groups, tail rows
+    # crossing the 64-row tile boundary, empty groups, tail rows; bf16, activated as pairs
     ("fast", "interleaved", 192, 64, 64, 32, [5, 0, 70, 0, 3, 9]),
-    ("fast", "interleaved-xlu", 192, 64, 64, 32, [5, 0, 70, 0, 3, 9]),  # split by transposes, not the MXU
+    ("fast", "interleaved-xlu", 192, 64, 64, 32, [5, 0, 70, 0, 3, 9]),  # f32: split by transposes
     ("fast", "interleaved", 192, 192, 64, 32, [5, 0, 70, 0, 3, 9]),  # whole slabs, the same code
     # 3 tiles; the last group's second chunk pulled back over 8 rows of its first ([72, 104) then [96, 128)):
     # those rows carry each tile once
@@ -550,16 +573,20 @@ def test_fused_moe_intermediate_tiles(load_kernel, mode, layout, i, ti, tm, chun
             out = P.fused_moe(x, gu, dn, jnp.array(sizes, jnp.int32), tm=tm, chunk=chunk, ti=ti)
         ref = _mlp_reference(x, gu, dn, sizes)
     else:
-        gu = 0.1 * jax.random.normal(ks[1], (len(sizes), h, 2 * i))
-        dn = 0.1 * jax.random.normal(ks[2], (len(sizes), i, h))
-        gu_b, dn_b = (0.5 * jax.random.normal(k, (len(sizes), n)) for k, n in ((ks[3], 2 * i), (ks[4], h)))
+        pairs = layout == "interleaved"
+        dt = jnp.bfloat16 if pairs else jnp.float32
+        x = x.astype(dt)
+        gu = (0.1 * jax.random.normal(ks[1], (len(sizes), h, 2 * i))).astype(dt)
+        dn = (0.1 * jax.random.normal(ks[2], (len(sizes), i, h))).astype(dt)
+        gu_b, dn_b = ((0.5 * jax.random.normal(k, (len(sizes), n))).astype(dt) for k, n in ((ks[3], 2 * i), (ks[4], h)))
         with interpret(mode):
             out = P.fused_moe(x, gu, dn, jnp.array(sizes, jnp.int32), transposed=False, interleaved=True,
                               activation="swiglu_oai", gate_up_bias=gu_b, down_bias=dn_b, tm=tm, chunk=chunk, ti=ti,
-                              mxu_deinterleave=layout == "interleaved")
-        ref = _gpt_oss_reference(x, gu, gu_b, dn, dn_b, sizes)
-    assert not np.isnan(np.asarray(out)).any()
-    _close(out, ref, 1e-4)
+                              pairs=pairs)
+        f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+        ref = _gpt_oss_reference(f32(x), f32(gu), f32(gu_b), f32(dn), f32(dn_b), sizes)
+    assert not np.isnan(np.asarray(out, np.float32)).any()
+    _close(out, ref, 1e-2 if out.dtype == jnp.bfloat16 else 1e-4)
     assert not np.asarray(out)[sum(sizes):].any()
     with pytest.raises(ValueError, match="ti=96 must divide"):
         P.fused_moe(x, gu, dn, jnp.array(sizes, jnp.int32), tm=tm, chunk=chunk, ti=96,
@@ -584,6 +611,7 @@ def _combined_reference(x, ids, w, expert, num_experts):
     ("fast", "halves", "bfloat16", 128, 128, 32, 16, True, 37, None),  # rows rounded to bf16, weighted in f32
     ("fast", "halves", "float32", 256, 128, 64, 32, False, 37, None),  # intermediate tiles: added at the last one
     ("fast", "interleaved", "float32", 192, 64, 64, 32, True, 37, None),  # GPT-OSS: interleaved, biases, 3 tiles
+    ("fast", "interleaved", "bfloat16", 192, 64, 64, 32, True, 37, None),  # and in bf16: activated as pairs
     ("fast", "interleaved", "float32", 192, 64, 128, 32, False, 37, None),  # one row tile, chunks pulled back in it
     ("fast", "interleaved", "float32", 192, 64, 16, 8, True, 37, None),  # groups split into 16-row windows, 3 tiles
     ("fast", "halves", "bfloat16", 128, 128, 16, 16, True, 37, None),  # whole slabs, 16-row windows
@@ -630,14 +658,16 @@ def test_fused_moe_combines_rows_into_their_tokens(load_kernel, monkeypatch, mod
         def expert(g, xs):
             y = xs @ gu[g].astype(jnp.float32).T
             return (jax.nn.silu(y[:, :i]) * y[:, i:]) @ dn[g].astype(jnp.float32).T
-    else:
-        gu = 0.1 * jax.random.normal(ks[3], (e, h, 2 * i))
-        dn = 0.1 * jax.random.normal(ks[4], (e, i, h))
-        gu_b, dn_b = (0.5 * jax.random.normal(kk, (e, n)) for kk, n in zip(jax.random.split(ks[5]), (2 * i, h)))
+    else:  # in bf16 activated as pairs, in f32 split by transposes
+        gu = (0.1 * jax.random.normal(ks[3], (e, h, 2 * i))).astype(dtype)
+        dn = (0.1 * jax.random.normal(ks[4], (e, i, h))).astype(dtype)
+        gu_b, dn_b = ((0.5 * jax.random.normal(kk, (e, n))).astype(dtype)
+                      for kk, n in zip(jax.random.split(ks[5]), (2 * i, h)))
         kw = dict(transposed=False, interleaved=True, activation="swiglu_oai", gate_up_bias=gu_b, down_bias=dn_b)
 
         def expert(g, xs):
-            return _gpt_oss_reference(xs, gu[g:g + 1], gu_b[g:g + 1], dn[g:g + 1], dn_b[g:g + 1], [xs.shape[0]])
+            return _gpt_oss_reference(xs, *(a[g:g + 1].astype(jnp.float32) for a in (gu, gu_b, dn, dn_b)),
+                                      [xs.shape[0]])
     sub = 16 if dtype == "bfloat16" else 8
     if not gather and t * k % sub == 0:  # the case holds windows that would pass x's end (moved back)
         _, grp, first, *_ = P.run_metadata(keys, tm, e, windows=sub)
@@ -1025,15 +1055,24 @@ def test_gmm_row_chunks_match_whole_tiles(load_kernel, variant, mode, chunks):
         kw.update(activation="silu")
     if variant.startswith("interleaved-bias"):
         rhs = jnp.swapaxes(rhs, 1, 2)
-        kw.update(transposed=False, activation="swiglu_oai", interleaved=True, mxu_deinterleave=variant.endswith("bias"),
+        pairs = variant.endswith("bias")  # activated as pairs in bf16, else split by transposes in f32
+        lhs, rhs = (a.astype(jnp.bfloat16 if pairs else jnp.float32) for a in (lhs, rhs))
+        kw.update(transposed=False, activation="swiglu_oai", interleaved=True, pairs=pairs,
                   bias=0.1 * jax.random.normal(ks[2], (len(sizes), n)))
+        chunk = max(chunk, 16) if pairs else chunk  # bf16 rows come in 16-row tiles
     gs = jnp.array(sizes, jnp.int32)
     with interpret(mode):
         chunked = P.gmm(lhs, rhs, gs, chunk=chunk, **kw)
     with interpret("fast"):
         whole = P.gmm(lhs, rhs, gs, chunk=64, **kw)
-    assert not np.isnan(np.asarray(chunked)).any()
+    assert not np.isnan(np.asarray(chunked, np.float32)).any()
     _close(chunked, whole, 1e-6)
-    assert not np.asarray(chunked)[sum(sizes):].any()
+    assert not np.asarray(chunked, np.float32)[sum(sizes):].any()
     if variant in ("kn", "nk"):
         _close(chunked, _lax(lhs, rhs, gs, transposed), 1e-4)
+    if variant.startswith("interleaved-bias"):  # each row's gate / up from alternate columns, clamped swiglu
+        y = _lax(lhs.astype(jnp.float32), rhs.astype(jnp.float32), gs, False) + jnp.repeat(
+            jnp.concatenate([kw["bias"], jnp.zeros((1, n))]), np.array(sizes + [m - sum(sizes)]), axis=0,
+            total_repeat_length=m)
+        ref = P._activate(y[:, 0::2], y[:, 1::2], "swiglu_oai", 1.702, 7.0)
+        _close(chunked, jnp.where(jnp.arange(m)[:, None] < sum(sizes), ref, 0), 1e-2 if pairs else 1e-4)

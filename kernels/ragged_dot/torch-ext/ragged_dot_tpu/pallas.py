@@ -667,58 +667,66 @@ class MoeQuant(NamedTuple):
     e4m3: str  # how the chip converts e4m3fn (``e4m3_mode``)
     in_dots: bool  # dequantize inside the dots (``dequantize_in_dots``), not into VMEM scratch once per group
 
-def _deinterleave(y, on_mxu: bool = False):
+
+def _deinterleave(y):
     """(tm, 2t) f32 with gate/up in even/odd lanes -> two (tm, t). Mosaic has no lane-strided loads, so
-    either transpose (lanes become sublanes), split sublane pairs, transpose back (XLU work only; the
-    transposes move the bits as int32, free bitcasts on TPU: XLA:CPU, which runs the kernel in interpret
-    mode, folds a transpose of a bf16 x bf16 -> f32 dot into a dot it cannot execute, "DotThunk ... BF16 x
-    BF16 = F32"); or (``on_mxu``, ``deinterleaves_on_mxu``) through the MXU: each block of 256 lanes (the
-    last may be narrower) times a 0/1 matrix that moves its even lanes to its first half and its odd lanes
-    to its second, y in two bf16 parts (hi + lo: 16 of f32's 24 significand bits) that the MXU's f32
-    accumulator sums exactly."""
-    if not on_mxu:
-        pairs = lax.bitcast_convert_type(y, jnp.int32).T.reshape(y.shape[1] // 2, 2, y.shape[0])
-        return tuple(lax.bitcast_convert_type(pairs[:, i, :].T, y.dtype) for i in (0, 1))
-    hi = y.astype(jnp.bfloat16)
-    lo = (y - hi.astype(jnp.float32)).astype(jnp.bfloat16)
-    halves = [], []
-    for b0 in range(0, y.shape[1], 256):
-        w = min(256, y.shape[1] - b0)
-        r, c = (lax.broadcasted_iota(jnp.int32, (w, w), d) for d in (0, 1))
-        sel = (r == jnp.where(c < w // 2, 2 * c, 2 * c - w + 1)).astype(jnp.bfloat16)
-        out = sum(lax.dot_general(part[:, b0:b0 + w], sel, (((1,), (0,)), ((), ())),
-                                  preferred_element_type=jnp.float32) for part in (hi, lo))
-        halves[0].append(out[:, :w // 2])
-        halves[1].append(out[:, w // 2:])
-    return tuple(jnp.concatenate(h, axis=1) for h in halves)
+    transpose (lanes become sublanes), split sublane pairs, transpose back (XLU work only; the transposes move
+    the bits as int32, free bitcasts on TPU: XLA:CPU, which runs the kernel in interpret mode, folds a
+    transpose of a bf16 x bf16 -> f32 dot into a dot it cannot execute, "DotThunk ... BF16 x BF16 = F32").
+    Exact, for any dtype; ``_activate_pairs`` is the faster way where it applies."""
+    pairs = lax.bitcast_convert_type(y, jnp.int32).T.reshape(y.shape[1] // 2, 2, y.shape[0])
+    return tuple(lax.bitcast_convert_type(pairs[:, i, :].T, y.dtype) for i in (0, 1))
 
 
-# Rows per group (on average) up to which GPT-OSS's interleaved gate/up lanes are split on the MXU
-# (``_deinterleave``) on chips with a 256-wide MXU: 1 / 6 more MXU work for gate_up at H = 2880, but the
-# transposes' XLU and select work is gone (2240 vcombine, 2080 vsel, 1024 vrot and 256 vxpose a chunk
-# below). Compiled for TPU7x, GPT-OSS-20B's gate_up gmm at 2048 tokens (256 rows an expert, 128-row
-# chunks): 2563 bundles and 192 vmatmuls an MXU per chunk -> 1899 and 224. Layer us (cost model): 2048
-# tokens TPU7x 1079.9 -> 918.9, v6e (fused) 1143.5 -> 1136.7; MXFP4 at 1 / 64 tokens TPU7x 90.0 / 659.0 ->
-# 81.1 / 592.7, v6e 113.7 / 953.4 -> 102.5 / 893.3; but 8192 tokens (1024 rows, whole tiles, MXU-bound)
-# TPU7x 2928.4 -> 3169.8, v6e 4136.0 -> 4155.7, and v5e (128-wide MXU) 2048 / 8192 2872.0 / 12697.1 ->
-# 3114.4 / 13194.3.
-MXU_DEINTERLEAVE_ROWS = 512
+# GPT-OSS's interleaved gate/up lanes, activated as pairs (``_activate_pairs``) rather than split by transposes
+# (``_deinterleave``) then activated: the transposes' XLU and select work (a chunk of the fused MLP for
+# GPT-OSS-20B at 8192 tokens on v6e: 1260 vxpose, 3360 vcombine, 3858 vsel, 2880 vrot) gives way to a roll, the
+# activation over both lanes of a pair and gathering dots, 5% more MXU work (1292 -> 1359 vmatmuls an MXU):
+# 12859 / 13121 bundles a chunk -> 11720 / 11646. Layer us (cost model, v5e / v6e / TPU7x; it also replaced a
+# split on the MXU, in hi + lo bf16 parts, where experts averaged up to 512 rows on v6e and TPU7x): GPT-OSS-20B
+# at 8192 tokens v6e / TPU7x 3502.7 / 2805.6 -> 3204.6 / 2542.5, 2048 1111.3 / 727.3 -> 1108.5 / 709.8; MXFP4 at
+# 1 / 64 tokens v5e 144.8 / 1278.9 -> 128.9 / 1193.9, v6e 103.6 / 881.9 -> 102.5 / 858.6, TPU7x 75.6 / 558.2 ->
+# 74.2 / 544.0; 1 to 256 tokens in bf16 unchanged (the weights' DMA bounds them). But v5e's fused MLP at 2048 /
+# 8192 tokens (128-wide MXU; a chunk bound by its vector loads and adds, 33179 -> 34815 bundles) 2756.1 / 10703.8
+# -> 2827.9 / 10972.2: on a 128-wide MXU only decode-sized groups (``DECODE_GROUP_ROWS``) take pairs.
+PAIR_BLOCK = 256  # lanes of interleaved pairs one gathering dot takes, for half as many outputs
 
 
-def deinterleaves_on_mxu(m: int, groups: int, chip: str | None = None) -> bool:
-    """Whether kernels over ``m`` rows of ``groups`` experts split interleaved gate/up on the MXU."""
-    return _chip(chip).mxu_dim >= 256 and -(-m // max(groups, 1)) <= MXU_DEINTERLEAVE_ROWS
+def activates_pairs(m: int, groups: int, chip: str | None = None) -> bool:
+    """Whether kernels over ``m`` rows of ``groups`` experts activate interleaved gate/up as pairs (see above)."""
+    return _chip(chip).mxu_dim >= 256 or -(-m // max(groups, 1)) <= DECODE_GROUP_ROWS
 
 
-def _split_on_mxu(interleaved: bool, m: int, groups: int, chip, forced: bool | None) -> bool:
-    """A kernel's interleaved gate/up split: on the MXU as ``forced`` (``mxu_deinterleave=``), else as
-    ``deinterleaves_on_mxu``; never for [gate; up] halves."""
-    return interleaved and (deinterleaves_on_mxu(m, groups, chip) if forced is None else forced)
+def _pairs(interleaved: bool, width: int, dtype, m: int, groups: int, chip, forced: bool | None) -> bool:
+    """A kernel's interleaved gate/up activation: as pairs (``forced``, else ``activates_pairs``) where
+    ``_activate_pairs`` takes them: a ``width`` (2t lanes a weight block) of whole lane tiles, and bf16 results
+    (the gathering dots copy values already rounded to them); never for [gate; up] halves."""
+    able = interleaved and width % 128 == 0 and jnp.dtype(dtype) == jnp.bfloat16
+    return able and (activates_pairs(m, groups, chip) if forced is None else forced)
+
+
+def _activate_pairs(y, activation: str, alpha: float, limit: float, dtype):
+    """act(gate, up) of interleaved gate/up lanes y (rows, 2t) f32, gate / up in even / odd lanes -> (rows, t)
+    in ``dtype`` (bf16). Each even lane is activated where it is, its up a lane over (a roll within each
+    128-lane tile: no pair straddles one); the odd lanes, zeroed (whatever they hold: an infinite up clamps to a
+    finite value, a NaN must not reach the dots), are dropped by the MXU: each PAIR_BLOCK lanes times a 0/1
+    [PAIR_BLOCK, PAIR_BLOCK / 2] matrix, one term an output (exact)."""
+    up = jnp.concatenate([pltpu.roll(y[:, b:b + 128], 127, 1) for b in range(0, y.shape[1], 128)], axis=1)
+    even = lax.broadcasted_iota(jnp.int32, (1, y.shape[1]), 1) % 2 == 0
+    h = jnp.where(even, _activate(y, up, activation, alpha, limit), 0.0).astype(dtype)
+    r, c = (lax.broadcasted_iota(jnp.int32, (PAIR_BLOCK, PAIR_BLOCK // 2), d) for d in (0, 1))
+    pick = (r == 2 * c).astype(dtype)
+    out = []
+    for b in range(0, h.shape[1], PAIR_BLOCK):
+        w = min(PAIR_BLOCK, h.shape[1] - b)
+        out.append(lax.dot_general(h[:, b:b + w], pick[:w, :w // 2], (((1,), (0,)), ((), ())),
+                                   preferred_element_type=jnp.float32).astype(dtype))
+    return jnp.concatenate(out, axis=1) if len(out) > 1 else out[0]
 
 
 def _gmm_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs,
                 tm, tn, chunk, num_groups, transposed, activation, interleaved, alpha, limit, has_bias, quant,
-                mxu_deinterleave):
+                pairs):
     del fetch_tile  # index maps only
     n_w = 2 if activation != "none" and not interleaved else 1
     mxfp4 = quant is not None and quant.kind == "mxfp4"
@@ -780,8 +788,10 @@ def _gmm_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs,
             ys = [y if cs is None else y * cs() for y, cs in zip(ys, col_scales)]
             if has_bias:
                 ys = [y + b[...].astype(jnp.float32) for y, b in zip(ys, b_refs)]
+            if pairs:
+                return _activate_pairs(ys[0], activation, alpha, limit, out_ref.dtype)
             if interleaved:
-                ys = _deinterleave(ys[0], mxu_deinterleave)
+                ys = _deinterleave(ys[0])
             return ys[0] if activation == "none" else _activate(ys[0], ys[1], activation, alpha, limit)
 
         def mine(y, r0):
@@ -816,7 +826,7 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
         tn: int | None = None, activation: str = "none", interleaved: bool = False, alpha: float = 1.702,
         limit: float = 7.0, bias=None, rhs_scale=None, chip: str | None = None,
         vmem_limit_bytes: int | None = None, chunk: int | None = None, in_dots: bool | None = None,
-        row_groups=None, mxu_deinterleave: bool | None = None):
+        row_groups=None, pairs: bool | None = None):
     """out[rows of group i] = epilogue(lhs[rows] @ rhs[i]); rows past sum(group_sizes) are 0.
     ``row_groups`` [m] (the sorted group of each row, g for none; ``run_metadata``) replaces group_sizes.
 
@@ -830,8 +840,8 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
     one weight block per step (plain, or interleaved gate/up). ``chunk``: rows per iteration of the loop
     over a group's rows in a tile (default ``gmm_chunk_rows``; tm: the whole tile at once). ``in_dots``:
     MXFP4 weights decode inside each chunk's dots rather than once per block into scratch (default
-    ``mxfp4_in_dots``). ``mxu_deinterleave``: interleaved gate/up split on the MXU (default
-    ``deinterleaves_on_mxu``).
+    ``mxfp4_in_dots``). ``pairs``: interleaved gate/up activated as pairs (default
+    ``activates_pairs``; bf16 results only, else split by transposes).
     No validation here: ``ragged_dot`` and the experts op validate their inputs.
     """
     m, k = lhs.shape
@@ -941,7 +951,7 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
     kernel = functools.partial(_gmm_kernel, tm=tm, tn=tn, chunk=chunk, num_groups=g, transposed=transposed, activation=activation,
                                interleaved=interleaved, alpha=float(alpha), limit=float(limit),
                                has_bias=bias is not None, quant=quant,
-                               mxu_deinterleave=_split_on_mxu(interleaved, m, g, chip, mxu_deinterleave))
+                               pairs=_pairs(interleaved and gated, wn, out_dtype, m, g, chip, pairs))
     wb = rhs.dtype.itemsize
     return pl.pallas_call(
         kernel,
@@ -1119,7 +1129,7 @@ def reference(lhs, rhs, group_sizes, rhs_transposed=False, out_dtype=None):
 
 def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, tm, chunk, num_groups,
                 transposed, down_transposed, activation, interleaved, alpha, limit, has_bias, quant, i_tiles,
-                combine, gather, windows, last_window, mxu_deinterleave, straight_adds, sum_cols=None, tails=()):
+                combine, gather, windows, last_window, pairs, straight_adds, sum_cols=None, tails=()):
     del fetch_tile
     smem_weights = gather and windows
     if sum_cols is not None:  # the rows' other columns: two buffers of an item's rows on their way to rest_ref, a
@@ -1358,10 +1368,13 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
             ys = [y if cs is None else y * cs() for y, cs in zip(ys, col_scales)]
             if has_bias:
                 ys = [y + b[...].astype(jnp.float32) for y, b in zip(ys, b_refs)]
-            if interleaved:
-                ys = _deinterleave(ys[0], mxu_deinterleave)
-            h = _activate(ys[0], ys[1], activation, alpha, limit).astype(mxu_dtype)
-            if interleaved and not mxu_deinterleave:
+            if pairs:
+                h = _activate_pairs(ys[0], activation, alpha, limit, mxu_dtype)
+            else:
+                if interleaved:
+                    ys = _deinterleave(ys[0])
+                h = _activate(ys[0], ys[1], activation, alpha, limit).astype(mxu_dtype)
+            if interleaved and not pairs:
                 # a branch the data always takes (start >= 0): XLA:CPU, running the kernel in interpret mode,
                 # would otherwise fold _deinterleave's last transpose into this dot's bf16 operand, which it
                 # cannot execute ("DotThunk ... BF16 x BF16 = F32"); on the TPU a scalar branch
@@ -1761,7 +1774,7 @@ def _windows(m, h, i, tiling, *, groups, tokens, in_dtype, w_dtype, gather, chip
 def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="silu", interleaved=False,
               alpha=1.702, limit=7.0, gate_up_bias=None, down_bias=None, out_dtype=None, tm=None, chunk=None,
               chip=None, down_transposed=None, gate_up_scale=None, down_scale=None, in_dots=None, row_groups=None,
-              ti=None, combine=None, gather=False, mxu_deinterleave=None, sums_dtype=None, sum_cols=None, tails=None):
+              ti=None, combine=None, gather=False, pairs=None, sums_dtype=None, sum_cols=None, tails=None):
     """down(act(x @ gate) * (x @ up)) per group in ONE kernel: the intermediate never leaves VMEM.
 
     x [m, H] (rows sorted by group), gate_up [g, 2I, H] / down [g, H, I] (``transposed``, the
@@ -1786,7 +1799,7 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     multiple of 128 below H; ``fused_moe_sum_cols``): only the rows' first sum_cols columns are summed, the
     rest leave as rows: returns ([T, H] with the sums in its first sum_cols columns (the others unwritten, for
     the caller's sums of the rows' others, in place), [m', H - sum_cols] rows, m' >= m; rows of no group hold
-    garbage). ``mxu_deinterleave``: as ``gmm``'s. ``tails``: the row counts a group's last chunk may take
+    garbage). ``pairs``: as ``gmm``'s. ``tails``: the row counts a group's last chunk may take
     (``chunk_tails``; default ``moe_tails``).
     """
     down_transposed = transposed if down_transposed is None else down_transposed
@@ -1932,7 +1945,7 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
                                limit=float(limit), has_bias=gate_up_bias is not None, quant=quant, i_tiles=nt,
                                combine=comb, gather=gather, windows=bool(windows), last_window=last_window,
                                straight_adds=straight, sum_cols=sum_cols, tails=tails,
-                               mxu_deinterleave=_split_on_mxu(interleaved, m, g, chip, mxu_deinterleave))
+                               pairs=_pairs(interleaved, bw, x.dtype if quant else down.dtype, m, g, chip, pairs))
     out_shapes = ([jax.ShapeDtypeStruct(out_shape[0], out_dtype), jax.ShapeDtypeStruct(out_shape[1], comb[0])]
                   if sum_cols else jax.ShapeDtypeStruct(out_shape, out_dtype))
     out = pl.pallas_call(
