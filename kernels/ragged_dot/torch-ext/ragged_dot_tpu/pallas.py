@@ -685,10 +685,10 @@ def _deinterleave(y):
 # 12859 / 13121 bundles a chunk -> 11720 / 11646. Layer us (cost model, v5e / v6e / TPU7x; it also replaced a
 # split on the MXU, in hi + lo bf16 parts, where experts averaged up to 512 rows on v6e and TPU7x): GPT-OSS-20B
 # at 8192 tokens v6e / TPU7x 3502.7 / 2805.6 -> 3204.6 / 2542.5, 2048 1111.3 / 727.3 -> 1108.5 / 709.8; MXFP4 at
-# 1 / 64 tokens v5e 144.8 / 1278.9 -> 128.9 / 1193.9, v6e 103.6 / 881.9 -> 102.5 / 858.6, TPU7x 75.6 / 558.2 ->
+# 1 / 64 tokens v5e 144.8 / 1278.9 -> 129.1 / 1195.3, v6e 103.6 / 881.9 -> 102.5 / 858.6, TPU7x 75.6 / 558.2 ->
 # 74.2 / 544.0; 1 to 256 tokens in bf16 unchanged (the weights' DMA bounds them). But v5e's fused MLP at 2048 /
 # 8192 tokens (128-wide MXU; a chunk bound by its vector loads and adds, 33179 -> 34815 bundles) 2756.1 / 10703.8
-# -> 2827.9 / 10972.2: on a 128-wide MXU only decode-sized groups (``DECODE_GROUP_ROWS``) take pairs.
+# -> 2828.2 / 10970.8: on a 128-wide MXU only decode-sized groups (``DECODE_GROUP_ROWS``) take pairs.
 PAIR_BLOCK = 256  # lanes of interleaved pairs one gathering dot takes, for half as many outputs
 
 
