@@ -70,10 +70,16 @@ def _chip(name: str | None) -> Chip:
 
 
 def _vmem_budget(chip: Chip) -> int:
-    """VMEM a gmm's pipeline may use (``gmm_vmem_bytes``), leaving room for Mosaic's own scratch: as the
-    fused MLP's (``fused_moe_tiling``). At 0.45 of it, TPU7x took GPT-OSS-20B's gate_up in 512-column blocks
-    (282 steps at 2048 tokens); at 0.6, 768 (188): layer us 918.9 -> 819.2 (cost model)."""
-    return int(chip.vmem_bytes * 0.6)
+    """VMEM a gmm's pipeline may use (``gmm_vmem_bytes``), leaving room for Mosaic's own scratch (its limit:
+    ``_vmem_limit``). Wider blocks read the lhs fewer times in fewer steps. At 0.45 of the VMEM, TPU7x took
+    GPT-OSS-20B's gate_up in 512-column blocks (282 steps at 2048 tokens); at 0.6, 768 (188): layer us 918.9
+    -> 819.2 (cost model). At 0.85 (with GPT-OSS's gate and up activated as pairs, ``activates_pairs``),
+    TPU7x's gate_up takes 1024-column blocks and its down projection whole rows (2880 columns), MXFP4's gate_up
+    whole rows on v5e and v6e at 1 and 64 tokens: layer us GPT-OSS-20B
+    TPU7x 2048 / 8192 tokens 709.8 / 2542.5 -> 678.1 / 2487.7, MXFP4 at 64 tokens v5e / v6e / TPU7x 1195.3 /
+    858.6 / 544.0 -> 981.2 / 780.2 / 518.9, at 1 token 129.1 / 102.5 / 74.2 -> 122.2 / 96.4 / 71.6. At 0.75
+    TPU7x's 2048 tokens took 256-row down tiles: 789.0."""
+    return int(chip.vmem_bytes * 0.85)
 
 
 def _vmem_limit(need: int, chip: str | None) -> int:
