@@ -120,14 +120,15 @@ def online_softmax_step_keys_major(m, acc, t, ok, vt, *, exp_dtype=jnp.float32, 
     bf16 EUP): p is rounded to bf16 for the MXU anyway, and the argument's own rounding costs at
     most ~2^-9 / e of the largest weight. Unscaled logits (``t_scale``) masked to MASK_VALUE by the
     caller need a real key of each query in the tile (its m_new real: they get weight 0)."""
+    def log2_units(v):  # the deferred scale, in the argument of each use: no pass of its own over the tile
+        return v * t_scale if t_scale != 1 else v
     if ok is not None:  # masked logits become MASK_VALUE exactly: exp2 of them is 0 once m_new is real
-        t, t_scale = jnp.where(ok, t * t_scale if t_scale != 1 else t, MASK_VALUE), 1.0
-    t_max = t.max(axis=0, keepdims=True)
-    m_new = jnp.maximum(m, t_max * t_scale if t_scale != 1 else t_max)
+        t, t_scale = jnp.where(ok, log2_units(t), MASK_VALUE), 1.0  # t is scaled now
+    m_new = jnp.maximum(m, log2_units(t.max(axis=0, keepdims=True)))
     # A query with nothing allowed yet keeps m_new = MASK_VALUE and takes weight 1 for its masked
     # keys: the next real key scales that away (alpha = 0), and finalize_keys_major empties a query
     # that never saw one, so no second select is needed here.
-    p = jnp.exp2(((t * t_scale if t_scale != 1 else t) - m_new).astype(exp_dtype))
+    p = jnp.exp2((log2_units(t) - m_new).astype(exp_dtype))
     pv = jax.lax.dot_general(vt, p.astype(vt.dtype), (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
     return m_new, jnp.exp2(m - m_new) * acc + pv
 
