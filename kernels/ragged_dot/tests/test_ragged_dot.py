@@ -257,6 +257,32 @@ def test_run_metadata_items_are_the_maximal_runs_of_tile_and_group(load_kernel, 
         assert (fetch_group[i], fetch_item[i]) == last
 
 
+@pytest.mark.parametrize("sizes,m,tm", [([0, 70, 0, 0, 5, 200, 0, 1], 300, 32), ([0, 0, 0], 64, 16),
+                                         ([-5, 30, 1000], 48, 16), ([3] * 40, 130, 8), ([64], 64, 64)])
+def test_group_metadata_items_are_each_groups_tiles_and_one_per_empty_group(load_kernel, sizes, m, tm):
+    """tgmm's items against a plain host walk over the groups (sizes clamped as the kernel clamps them):
+    a non-empty group's items are the tiles its rows touch, in order; an empty group (or one past m)
+    has one item, which fetches the blocks of the latest item with data (nothing new)."""
+    P = load_kernel("ragged_dot").pallas
+    offsets, item_group, item_tile, fetch_group, fetch_tile, n = (np.asarray(a) for a in P.group_metadata(
+        jnp.array(sizes, jnp.int32), m, tm))
+    ends = np.minimum(np.cumsum(np.maximum(sizes, 0)), m)
+    starts = np.concatenate([[0], ends[:-1]])
+    assert list(offsets) == [0] + list(ends)
+    want, last, fetch = [], (0, 0), []
+    for e, (lo, hi) in enumerate(zip(starts, ends)):
+        tiles = range(lo // tm, (hi - 1) // tm + 1) if hi > lo else [None]
+        for t in tiles:
+            want.append((e, t))
+            last = (e, t) if t is not None else last
+            fetch.append(last)
+    assert int(n) == len(want) and len(item_group) >= int(n)
+    for i, ((e, t), f) in enumerate(zip(want, fetch)):
+        assert item_group[i] == e and (t is None or item_tile[i] == t)
+        assert (fetch_group[i], fetch_tile[i]) == f
+    assert 0 <= item_tile.min() and item_tile.max() < -(-m // tm)  # slots past the items: valid tiles
+
+
 def test_all_empty_groups_items_are_tail_only(load_kernel):
     P = load_kernel("ragged_dot").pallas
     groups, fetch = _fetch_trace(P, [0, 0, 0], 64, 16)

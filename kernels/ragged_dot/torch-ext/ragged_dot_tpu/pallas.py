@@ -265,6 +265,23 @@ def _udiv(a: jax.Array, b) -> jax.Array:
     return lax.div(a.astype(jnp.uint32), jnp.uint32(b)).astype(jnp.int32)
 
 
+def _group_items(count: jax.Array, size: int):
+    """Work items of consecutive groups, ``count[e]`` of them for group e, over ``size`` item slots (a static
+    bound): (ends, item n's group, its rank in the group, pick) where ends[e] counts the items up to and
+    including group e's, slots past the items take the last group, and pick(v) is each slot's group's v.
+    Masked sums, no cumsum, searchsorted or gather: around the kernels every op is a launch on the TPU, and
+    each of these is one fusion (a cumsum is a chain of them)."""
+    groups = jnp.arange(count.shape[0], dtype=jnp.int32)
+    ends = jnp.sum(jnp.where(groups[None, :] <= groups[:, None], count[None, :], 0), axis=1)
+    n = jnp.arange(size, dtype=jnp.int32)
+    grp = jnp.minimum(jnp.sum(ends[None, :] <= n[:, None], axis=1, dtype=jnp.int32), count.shape[0] - 1)
+    of_grp = grp[:, None] == groups[None, :]
+
+    def pick(v):
+        return jnp.sum(jnp.where(of_grp, v[None, :], 0), axis=1)
+    return ends, grp, n - pick(ends - count), pick
+
+
 def group_metadata(group_sizes: jax.Array, m: int, tm: int):
     """Work items for the transposed grouped matmul (tgmm: one output per group) over m rows in tiles
     of tm, computed on device: each non-empty group's tiles, and one item for each empty group (its
@@ -277,9 +294,6 @@ def group_metadata(group_sizes: jax.Array, m: int, tm: int):
     """
     g = group_sizes.shape[0]
     tiles = -(-m // tm)
-    # Every op here is a launch on the TPU (XLA leaves small scalar ops unfused): unsigned division of
-    # these non-negative values (``_udiv``), a compare-all searchsorted (one fusion, not a while loop) and
-    # one cummax for both fetch indices.
     div = functools.partial(_udiv, b=tm)
     gs = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     ends = jnp.minimum(jnp.cumsum(gs), m).astype(jnp.int32)
@@ -287,22 +301,18 @@ def group_metadata(group_sizes: jax.Array, m: int, tm: int):
     offsets = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
     nonempty = ends > starts
     first_tile = jnp.minimum(div(starts), tiles - 1)
-    last_tile = div(jnp.maximum(ends, 1) - 1)
-    count = jnp.where(nonempty, last_tile - first_tile + 1, 1)
-    csum = jnp.cumsum(count)
-    num_items = csum[-1]
-
-    size = tiles + g  # static bound: every group boundary adds at most one item
-    idx = jnp.arange(size, dtype=jnp.int32)
-    grp = jnp.minimum(jnp.searchsorted(csum, idx, side="right", method="compare_all"), g - 1).astype(jnp.int32)
-    tile = first_tile[grp] + idx - (csum - count)[grp]
-    tile = jnp.clip(tile, 0, tiles - 1).astype(jnp.int32)  # past num_items: never run, any valid tile
-    has_data = (idx < num_items) & nonempty[grp]
-    # the latest item that needs data: group and tile only grow along such items, so theirs are the maxima
+    count = jnp.where(nonempty, div(jnp.maximum(ends, 1) - 1) - first_tile + 1, 1)
+    item_ends, grp, j, pick = _group_items(count, tiles + g)  # every group boundary adds at most one item
+    num_items = item_ends[-1]
+    idx = jnp.arange(tiles + g, dtype=jnp.int32)
+    tile = jnp.clip(pick(first_tile) + j, 0, tiles - 1)  # past num_items: never run, any valid tile
+    has_data = (idx < num_items) & (pick(nonempty.astype(jnp.int32)) > 0)
+    # the latest item that needs data (empty groups come between): group and tile only grow along such
+    # items, so theirs are the maxima
     src = lax.cummax(jnp.where(has_data, idx, -1))
     fetch_group = jnp.where(src >= 0, grp[jnp.maximum(src, 0)], 0).astype(jnp.int32)
     fetch_tile = jnp.where(src >= 0, tile[jnp.maximum(src, 0)], 0).astype(jnp.int32)
-    return offsets, grp, tile, fetch_group, fetch_tile, num_items.astype(jnp.int32)
+    return offsets, grp, tile.astype(jnp.int32), fetch_group, fetch_tile, num_items.astype(jnp.int32)
 
 
 def rows_of_groups(group_sizes: jax.Array, m: int) -> jax.Array:
@@ -346,17 +356,10 @@ def run_metadata(row_groups: jax.Array, tm: int, num_groups: int, windows: int |
         count = div(hi - lo + tm - 1)
     else:  # the tiles the group's rows touch
         count = jnp.where(hi > lo, div(jnp.maximum(hi, 1) - 1) - div(lo) + 1, 0)
-    groups = jnp.arange(g + 1, dtype=jnp.int32)
-    # items up to and including each group's: a masked sum (one fusion; a cumsum is a chain of launches)
-    ends = jnp.sum(jnp.where(groups[None, :] <= groups[:, None], count[None, :], 0), axis=1)
+    ends, grp, j, pick = _group_items(count, size)  # item n is group grp[n]'s j-th
     num_items, with_data = ends[g], ends[g - 1] if g else jnp.int32(0)
     n = jnp.arange(size, dtype=jnp.int32)
-    grp = jnp.minimum(jnp.sum(ends[None, :] <= n[:, None], axis=1, dtype=jnp.int32), g)  # item n's group
-    of_grp = grp[:, None] == groups[None, :]  # picks a group's value for each item (no gather)
-
-    def pick(v):
-        return jnp.sum(jnp.where(of_grp, v[None, :], 0), axis=1)
-    lo_n, j = pick(lo), n - pick(ends - count)  # item n is its group's j-th
+    lo_n = pick(lo)
     start = lo_n + j * tm if windows else jnp.where(j == 0, lo_n, (div(lo_n) + j) * tm)
     bounds = jnp.concatenate([jnp.where(n < num_items, start, m), jnp.full((1,), m, jnp.int32)])
     row = jnp.minimum(bounds[:size], m - 1)
