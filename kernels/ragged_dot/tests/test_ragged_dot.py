@@ -1022,13 +1022,53 @@ def test_gmm_chunks_groups_shorter_than_its_tile(load_kernel):
 
 
 def test_fused_moe_takes_tails_for_decode_sized_groups(load_kernel):
-    """The fused MLP's last chunk of a group is cut to a tail only where an average group fills at most a
-    quarter of a chunk (``moe_tails``): Qwen3-30B-A3B at 64 tokens (4 rows an expert in 32-row chunks), not at
-    256 (16 rows) nor at 8192 (512 rows in 288-row chunks)."""
+    """The fused MLP's last chunk of a group is cut to a tail where an average group fills at most a quarter
+    of a chunk (``moe_tails``): Qwen3-30B-A3B at 64 tokens (4 rows an expert in 32-row chunks), not at 256 (16
+    rows) nor at 8192 (512 rows in 288-row chunks); gathered rows, whose chunks start at the group's first
+    row, where an average group fits a chunk: 256 tokens too, with a tail of three quarters of the chunk where
+    that is whole native tiles (GPT-OSS-20B: 32 rows an expert in 64-row chunks)."""
     P = load_kernel("ragged_dot").pallas
     assert P.moe_tails(64 * 8, 128, 32, 16) == (16,)
     assert P.moe_tails(256 * 8, 128, 32, 16) == ()
     assert P.moe_tails(8192 * 8, 128, 288, 16) == ()
+    assert P.moe_tails(256 * 8, 128, 32, 16, gathered=True) == (16,)
+    assert P.moe_tails(2048 * 8, 128, 160, 16, gathered=True) == (80,)  # 128 rows an expert
+    assert P.moe_tails(8192 * 8, 128, 288, 16, gathered=True) == ()
+    assert P.moe_tails(256 * 4, 32, 64, 16, gathered=True) == (16, 32, 48)
+
+
+def test_gathered_rows_take_a_tail_wherever_a_group_starts(load_kernel):
+    """Gathered (``fused_moe(gather=True)``), a group's chunks start at its first row, not at the native tile
+    holding it: the MXU work the cost model counts is each group's rows in the fewest of a 16-row tail or the
+    32-row chunk (bf16; groups of 3 to 30 rows starting anywhere in their tiles, an empty one), where chunks
+    from the native tile would take 192 rows for these groups' 144."""
+    from pallas_hub.bench import costmodel
+
+    P = load_kernel("ragged_dot").pallas
+    sizes, h, i, k = [3, 14, 0, 16, 9, 17, 30, 5], 128, 128, 2
+    e, t = len(sizes), sum(sizes) // k
+    ids = np.random.default_rng(0).permutation(np.repeat(np.arange(e), sizes)).reshape(t, k)
+    keys, order, tokens = P.sort_by_expert(jnp.asarray(ids, jnp.int32), e)
+    ks = jax.random.split(jax.random.key(9), 3)
+    x = jax.random.normal(ks[0], (t, h)).astype(jnp.bfloat16)
+    gu = (0.1 * jax.random.normal(ks[1], (e, 2 * i, h))).astype(jnp.bfloat16)
+    dn = (0.1 * jax.random.normal(ks[2], (e, h, i))).astype(jnp.bfloat16)
+    w = jnp.ones((t, k), jnp.float32)
+
+    def layer(x, gu, dn):
+        return P.fused_moe(x, gu, dn, None, row_groups=keys, tm=64, chunk=32, tails=(16,),
+                           combine=(tokens, w.reshape(-1)[order], t), gather=True)
+    issued = costmodel.estimate(layer, x, gu, dn).flops
+    rows = sum(16 if n <= 16 else 32 for n in sizes if n)
+    assert (rows, issued) == (144, rows * 6 * h * i)
+    with interpret("fast"):
+        out = layer(x, gu, dn)
+
+    def expert(g, xs):
+        y = xs @ gu[g].astype(jnp.float32).T
+        return ((jax.nn.silu(y[:, :i]) * y[:, i:]).astype(jnp.bfloat16).astype(jnp.float32)
+                @ dn[g].astype(jnp.float32).T).astype(jnp.bfloat16).astype(jnp.float32)
+    _close(out, _combined_reference(x, ids, w, expert, e), 1e-2)
 
 
 def _tail_chunks(sizes, m, tm, chunk, sub, tails):

@@ -138,20 +138,22 @@ def group_chunk_rows(m: int, groups: int | None) -> int:
 
 
 def _for_group_rows(lo, hi, *, tm: int, chunk: int, sub: int, body, fresh: bool = False, tails: tuple = ()):
-    """``body(r0)`` for chunks of ``chunk`` rows from r0 (a multiple of ``sub``, the native tile) covering
-    rows [lo, hi) of a tm-row tile: from the native tile holding row lo, so a group of a few rows takes one
-    chunk wherever it starts; the last chunk pulled back inside the tile (rows it repeats are written
-    again, with the same values). ``fresh``: ``body(r0, new)``, rows from r0 + new on not in an earlier chunk.
+    """``body(r0)`` for chunks of ``chunk`` rows from r0 (a multiple of ``sub``: the native tile, or 1 for rows
+    copied into a chunk of their own) covering rows [lo, hi) of a tm-row tile: from the ``sub`` rows holding
+    row lo, so a group of a few rows takes one chunk wherever it starts; the last chunk pulled back inside
+    the tile (rows it repeats are written again, with the same values). ``fresh``: ``body(r0, new)``, rows
+    from r0 + new on not in an earlier chunk.
     ``tails`` (ascending row counts under ``chunk``): ``body(r0, rows)`` (``fresh``: ``body(r0, new, rows)``),
     whole chunks while they fit before hi, then one chunk of the fewest rows (a tail, or ``chunk``) that covers
     the rest, pulled back inside the tile (``chunk_tails``)."""
+    aligned = (lambda r: pl.multiple_of(r, sub)) if sub > 1 else (lambda r: r)  # noqa: E731
     first_row = jnp.minimum(lax.div(lo, jnp.int32(sub)) * sub, tm - chunk)
     n = jnp.int32(chunk)
     if tails:
         assert all(t % sub == 0 for t in tails) and list(tails) == sorted(tails) and tails[-1] < chunk
 
         def whole(c, carry):
-            r0 = pl.multiple_of(first_row + c * chunk, sub)
+            r0 = aligned(first_row + c * chunk)
             body(r0, 0, chunk) if fresh else body(r0, chunk)
             return carry
 
@@ -161,12 +163,12 @@ def _for_group_rows(lo, hi, *, tm: int, chunk: int, sub: int, body, fresh: bool 
         for low, rows in zip((0,) + tuple(tails), tuple(tails) + (chunk,)):
             @pl.when(jnp.logical_and(rest > low, rest <= rows))
             def _tail():
-                r0 = pl.multiple_of(jnp.minimum(r, tm - rows), sub)
+                r0 = aligned(jnp.minimum(r, tm - rows))
                 body(r0, r - r0, rows) if fresh else body(r0, rows)
         return
 
     def step(c, carry):
-        r0 = pl.multiple_of(jnp.minimum(first_row + c * chunk, tm - chunk), sub)
+        r0 = aligned(jnp.minimum(first_row + c * chunk, tm - chunk))
         body(r0, first_row + c * chunk - r0) if fresh else body(r0)
         return carry
 
@@ -1392,9 +1394,14 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
                 add_pending(straight=True)
             down_rows(h, r0, new, final)
 
+        # gathered rows start a chunk at the group's first row (the rows, their weights and products sit in
+        # chunk buffers of their own), so a group of up to a tail's rows takes that tail wherever it starts; with
+        # intermediate tiles at the f32 carry's native tile (its rows are the window's); x's blocks at theirs
+        align = (_sublanes(jnp.float32) if i_tiles > 1 else 1) if gather else sub
+
         def item_rows(final):
             _for_group_rows(jnp.clip(start - row0, 0, span), jnp.clip(end - row0, 0, span), tm=span, chunk=chunk,
-                            sub=sub, body=functools.partial(chunk_rows, final=final), fresh=True, tails=tails)
+                            sub=align, body=functools.partial(chunk_rows, final=final), fresh=True, tails=tails)
         if i_tiles == 1:
             item_rows(True)
         else:  # the last tile's chunks and the others' as code of their own: a chunk is one basic block,
@@ -1661,15 +1668,28 @@ def fused_moe_sum_cols(tokens: int, h: int, i: int, tiling, *, rows: int, groups
     return 0
 
 
-def moe_tails(m: int, groups: int, chunk: int, sub: int) -> tuple[int, ...]:
+def moe_tails(m: int, groups: int, chunk: int, sub: int, gathered: bool = False) -> tuple[int, ...]:
     """The fused MLP's tail chunks (``chunk_tails``) where an average group fills at most a quarter of a chunk
-    (decode-sized groups: most of a whole chunk's rows would be another group's). Measured with the cost model
+    (decode-sized groups: most of a whole chunk's rows would be another group's); with ``gathered`` rows, whose
+    chunks start at the group's first row (``_moe_kernel``), where it fits a chunk, and three quarters of the
+    chunk too (a group a little over the average then takes no whole chunk). Measured with the cost model
     (layer us v5e / v6e / TPU7x, whole chunks -> tails, 32-row chunks, 16-row tails): Qwen3-30B-A3B at 64
     tokens (4 rows an expert) fp8 838.2 / 530.8 / 342.2 -> 815.8 / 448.4 / 307.3, int8 740.1 / 379.8 / 269.5
-    -> 740.1 / 385.2 / 233.8; at 256 tokens (16 rows) fp8 931.4 / 591.1 / 380.9 -> 1109.0 / 689.3 / 423.3.
+    -> 740.1 / 385.2 / 233.8; at 256 tokens (16 rows) fp8 931.4 / 591.1 / 380.9 -> 1109.0 / 689.3 / 423.3
+    (chunks from a native tile: a group of 16 rows starting past its first row takes a whole chunk and a tail).
     Longer groups measured slower or mixed with tails too (Qwen3 at 8192 tokens, 288-row chunks: v6e 1294.0 ->
-    1378.3; GPT-OSS-20B at 8192 v6e 3763.6 -> 3636.1 but v5e 10751.6 -> 11509.5)."""
-    return chunk_tails(chunk, sub) if 4 * -(-m // (groups or 1)) <= chunk else ()
+    1378.3; GPT-OSS-20B at 8192 v6e 3763.6 -> 3636.1 but v5e 10751.6 -> 11509.5). Gathered, chunks from the
+    group's first row (native tiles -> the group's row, tails to an average group that fits a chunk; the bench
+    at 3a384ed): 256 tokens fp8 932.5 / 590.0 / 378.7 -> 924.1 / 536.2 / 356.5, issued MXU work over useful 2.09
+    -> 1.41 (bf16: DMA-bound, 0-2 us faster; Gemma-4 26B-A4B 2.28 -> 1.54); 64 tokens fp8 814.1 / 447.3 / 306.6 ->
+    744.9 / 386.5 / 280.7; 2048 tokens (80-row tails) v5e / v6e Qwen3 1622.1 / 813.0 -> 1607.7 / 809.8.
+    GPT-OSS-20B at 256 tokens (intermediate tiles: chunks from the carry's 8-row tile; 64-row chunks, 32 rows an
+    expert): issued over useful 2.15 / 2.39 / 2.62 -> 1.85 / 2.05 / 2.26 with 16- and 32-row tails (TPU7x 457.5
+    -> 459.7 us), -> 1.46 / 1.63 / 1.79 with the 48-row one too (layer us the same)."""
+    avg = -(-m // (groups or 1))
+    if gathered and avg <= chunk:
+        return chunk_tails(chunk, sub) + ((3 * chunk // 4,) if 3 * chunk // 4 % sub == 0 else ())
+    return chunk_tails(chunk, sub) if 4 * avg <= chunk else ()
 
 
 def straight_adds(m: int, groups: int, chunk: int) -> bool:
@@ -1900,7 +1920,7 @@ def fused_moe(x, gate_up, down, group_sizes, *, transposed=True, activation="sil
     stage_rows = min(GATHER_STAGE_ROWS, _round_up(x.shape[0], sub))
     out_shape, out_spec = (m, h), pl.BlockSpec((tm, h), lambda it, j, off, ig, itl, fg, ft, *_: (itl[it], 0))
     comb, out_bytes, straight = None, m * h * out_dtype.itemsize, False
-    tails = moe_tails(m, g, chunk, sub) if tails is None else tuple(tails)
+    tails = moe_tails(m, g, chunk, sub, gathered=gather) if tails is None else tuple(tails)
     need = moe_vmem_bytes(tm, chunk, h, i, x.dtype.itemsize, out_dtype.itemsize, gate_up.dtype.itemsize, ti)
     if combine is not None:
         row_token, row_weight, num_tokens = combine
