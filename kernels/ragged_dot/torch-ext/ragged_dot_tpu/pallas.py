@@ -269,8 +269,9 @@ def _udiv(a: jax.Array, b) -> jax.Array:
 
 def _group_items(count: jax.Array, size: int):
     """Work items of consecutive groups, ``count[e]`` of them for group e, over ``size`` item slots (a static
-    bound): (ends, item n's group, its rank in the group, pick) where ends[e] counts the items up to and
-    including group e's, slots past the items take the last group, and pick(v) is each slot's group's v.
+    bound): (n, the slots' indices; ends; item n's group; its rank in the group; pick) where ends[e] counts the
+    items up to and including group e's, slots past the items take the last group, and pick(v) is each slot's
+    group's v.
     Masked sums, no cumsum, searchsorted or gather: around the kernels every op is a launch on the TPU, and
     each of these is one fusion (a cumsum is a chain of them)."""
     groups = jnp.arange(count.shape[0], dtype=jnp.int32)
@@ -281,7 +282,7 @@ def _group_items(count: jax.Array, size: int):
 
     def pick(v):
         return jnp.sum(jnp.where(of_grp, v[None, :], 0), axis=1)
-    return ends, grp, n - pick(ends - count), pick
+    return n, ends, grp, n - pick(ends - count), pick
 
 
 def group_metadata(group_sizes: jax.Array, m: int, tm: int):
@@ -304,9 +305,8 @@ def group_metadata(group_sizes: jax.Array, m: int, tm: int):
     nonempty = ends > starts
     first_tile = jnp.minimum(div(starts), tiles - 1)
     count = jnp.where(nonempty, div(jnp.maximum(ends, 1) - 1) - first_tile + 1, 1)
-    item_ends, grp, j, pick = _group_items(count, tiles + g)  # every group boundary adds at most one item
+    idx, item_ends, grp, j, pick = _group_items(count, tiles + g)  # every group boundary adds at most one item
     num_items = item_ends[-1]
-    idx = jnp.arange(tiles + g, dtype=jnp.int32)
     tile = jnp.clip(pick(first_tile) + j, 0, tiles - 1)  # past num_items: never run, any valid tile
     has_data = (idx < num_items) & (pick(nonempty.astype(jnp.int32)) > 0)
     # the latest item that needs data (empty groups come between): group and tile only grow along such
@@ -358,9 +358,8 @@ def run_metadata(row_groups: jax.Array, tm: int, num_groups: int, windows: int |
         count = div(hi - lo + tm - 1)
     else:  # the tiles the group's rows touch
         count = jnp.where(hi > lo, div(jnp.maximum(hi, 1) - 1) - div(lo) + 1, 0)
-    ends, grp, j, pick = _group_items(count, size)  # item n is group grp[n]'s j-th
+    n, ends, grp, j, pick = _group_items(count, size)  # item n is group grp[n]'s j-th
     num_items, with_data = ends[g], ends[g - 1] if g else jnp.int32(0)
-    n = jnp.arange(size, dtype=jnp.int32)
     lo_n = pick(lo)
     start = lo_n + j * tm if windows else jnp.where(j == 0, lo_n, (div(lo_n) + j) * tm)
     bounds = jnp.concatenate([jnp.where(n < num_items, start, m), jnp.full((1,), m, jnp.int32)])
@@ -1381,15 +1380,14 @@ def _moe_kernel(bounds, item_group, item_tile, fetch_group, fetch_tile, *refs, t
                 ys = [y + b[...].astype(jnp.float32) for y, b in zip(ys, b_refs)]
             if pairs:
                 h = _activate_pairs(ys[0], activation, alpha, limit, mxu_dtype)
-            else:
-                if interleaved:
-                    ys = _deinterleave(ys[0])
-                h = _activate(ys[0], ys[1], activation, alpha, limit).astype(mxu_dtype)
-            if interleaved and not pairs:
+            elif interleaved:
+                h = _activate(*_deinterleave(ys[0]), activation, alpha, limit).astype(mxu_dtype)
                 # a branch the data always takes (start >= 0): XLA:CPU, running the kernel in interpret mode,
                 # would otherwise fold _deinterleave's last transpose into this dot's bf16 operand, which it
                 # cannot execute ("DotThunk ... BF16 x BF16 = F32"); on the TPU a scalar branch
                 h = lax.cond(start >= 0, lambda: h, lambda: jnp.zeros_like(h))
+            else:
+                h = _activate(ys[0], ys[1], activation, alpha, limit).astype(mxu_dtype)
             if combine is not None and straight_adds:  # in the basic block of the down dots, if not of all
                 add_pending(straight=True)
             down_rows(h, r0, new, final)
