@@ -138,11 +138,11 @@ def group_chunk_rows(m: int, groups: int | None) -> int:
 
 
 def _for_group_rows(lo, hi, *, tm: int, chunk: int, sub: int, body, fresh: bool = False, tails: tuple = ()):
-    """``body(r0)`` for chunks of ``chunk`` rows from r0 (a multiple of ``sub``: the native tile, or 1 for rows
-    copied into a chunk of their own) covering rows [lo, hi) of a tm-row tile: from the ``sub`` rows holding
-    row lo, so a group of a few rows takes one chunk wherever it starts; the last chunk pulled back inside
-    the tile (rows it repeats are written again, with the same values). ``fresh``: ``body(r0, new)``, rows
-    from r0 + new on not in an earlier chunk.
+    """``body(r0)`` for chunks of ``chunk`` rows from r0 (a multiple of ``sub``: the native tile of what the
+    chunk reads, or 1 for rows copied into a chunk of their own) covering rows [lo, hi) of a tm-row tile:
+    from the ``sub`` rows holding row lo, so a group of a few rows takes one chunk wherever it starts; the
+    last chunk pulled back inside the tile (rows it repeats are written again, with the same values).
+    ``fresh``: ``body(r0, new)``, rows from r0 + new on not in an earlier chunk.
     ``tails`` (ascending row counts under ``chunk``): ``body(r0, rows)`` (``fresh``: ``body(r0, new, rows)``),
     whole chunks while they fit before hi, then one chunk of the fewest rows (a tail, or ``chunk``) that covers
     the rest, pulled back inside the tile (``chunk_tails``)."""
@@ -1674,7 +1674,7 @@ def moe_tails(m: int, groups: int, chunk: int, sub: int, gathered: bool = False)
     (layer us v5e / v6e / TPU7x, whole chunks -> tails, 32-row chunks, 16-row tails): Qwen3-30B-A3B at 64
     tokens (4 rows an expert) fp8 838.2 / 530.8 / 342.2 -> 815.8 / 448.4 / 307.3, int8 740.1 / 379.8 / 269.5
     -> 740.1 / 385.2 / 233.8; at 256 tokens (16 rows) fp8 931.4 / 591.1 / 380.9 -> 1109.0 / 689.3 / 423.3
-    (chunks from a native tile: a group of 16 rows starting past its first row takes a whole chunk and a tail).
+    (the chunks then started at the native tile holding the group's first row).
     Longer groups measured slower or mixed with tails too (Qwen3 at 8192 tokens, 288-row chunks: v6e 1294.0 ->
     1378.3; GPT-OSS-20B at 8192 v6e 3763.6 -> 3636.1 but v5e 10751.6 -> 11509.5). Gathered, chunks from the
     group's first row (native tiles -> the group's row, tails to an average group that fits a chunk; the bench
