@@ -387,6 +387,30 @@ def test_aligned_diagonal_masks_only_the_triangle(fa, monkeypatch):
             _check_forward(fa, 1, 8, 2, 1100, 1100, 64, block_q=512, block_k=1024, seq=seq)
 
 
+def test_prefill_takes_long_kv_blocks_where_they_fit(fa, monkeypatch):
+    """The forward takes K/V blocks of LONG_BLOCK_K keys for a prefill with no window and no mask where the
+    sequence has that many and they fit the chip's VMEM (Gemma-3 8k on TPU7x: G = 2, d 256), else the chip's
+    block_k (Qwen3-235B, G = 16, would overflow TPU7x's limit); and the result matches the reference with
+    long blocks over a ragged last block, causal and not."""
+    P = fa.pallas
+    blocks = lambda sq, sk, g, d, chip="tpu7x", **kw: P._forward_blocks(  # noqa: E731
+        sq, sk, g, d, 2, **{"block_q": None, "block_k": None, "chip": chip, "window": None, "has_mask": False, **kw})
+    default = P.CHIP_BLOCKS["tpu7x"][1]
+    assert default < P.LONG_BLOCK_K == 8192
+    assert blocks(8192, 8192, 2, 256)[1] == blocks(8192, 8192, 8, 128)[1] == blocks(8192, 8192, 8, 128, "v6e")[1] == 8192
+    assert blocks(8192, 8192, 16, 128)[1] == default  # 2 x 16 x 1024 query rows beside 8192 keys: over the limit
+    assert blocks(8192, 8192, 2, 256, window=4096)[1] == blocks(8192, 8192, 2, 256, has_mask=True)[1] == default
+    assert blocks(8192, 6000, 2, 256)[1] == default  # not that many keys
+    assert blocks(8192, 8192, 2, 256, block_k=2048)[1] == 2048  # asked for
+    assert blocks(8192, 8192, 2, 256, chip="")[1] == P.CHIP_BLOCKS[""][1]  # unknown chip: the defaults
+    # small stand-ins for the chip's blocks and the long ones, in interpret mode
+    monkeypatch.setitem(P.CHIP_BLOCKS, "tpu7x", (128, 256, 256, P.CHIP_BLOCKS["tpu7x"][3]))
+    monkeypatch.setattr(P, "LONG_BLOCK_K", 512)
+    assert blocks(1100, 1100, 4, 64)[1:4:2] == (512, 3)
+    for causal in (True, False):
+        _check_forward(fa, 1, 8, 2, 1100, 1100, 64, dtype=jnp.bfloat16, chip="tpu7x", causal=causal)
+
+
 @pytest.mark.parametrize("scale", [0.3, -0.2])
 def test_keys_major_scale_deferred_to_the_step(fa, scale):
     """Keys-major, the step scales unscaled dots (the max of the dots times the scale): a positive scale there,
