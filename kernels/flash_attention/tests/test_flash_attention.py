@@ -387,6 +387,23 @@ def test_aligned_diagonal_masks_only_the_triangle(fa, monkeypatch):
             _check_forward(fa, 1, 8, 2, 1100, 1100, 64, block_q=512, block_k=1024, seq=seq)
 
 
+def test_whole_sequences_schedule_at_trace_time(fa):
+    """Without ``seq`` (every sequence whole) the step tables depend on shapes alone: worked out while tracing, they
+    are constants of the program, so the gradient's program holds the kernels and no table ops (the argmax and
+    cummax of ``_schedule``), which a run-time ``seq`` needs."""
+    q, k, v, _ = _inputs(1, 4, 2, 300, 300, 64, jnp.bfloat16)
+
+    def ops(seq):
+        loss = lambda q, k, v: fa.pallas.flash_attention(q, k, v, seq=seq, block_q=128, block_k=128).astype(  # noqa: E731
+            jnp.float32).sum()
+        return [e.primitive.name for e in jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v).jaxpr.eqns]
+
+    whole, given = ops(None), ops(jnp.array([[0, 300, 300]], jnp.int32))
+    assert whole.count("pallas_call") == given.count("pallas_call") == 3  # forward, dq, dk/dv
+    assert not {"argmax", "cummax"} & set(whole)
+    assert {"argmax", "cummax"} <= set(given)
+
+
 def test_prefill_takes_long_kv_blocks_where_they_fit(fa, monkeypatch):
     """The forward takes K/V blocks of LONG_BLOCK_K keys for a prefill with no window and no mask where the
     sequence has that many and they fit the chip's VMEM (Gemma-3 8k on TPU7x: G = 2, d 256), else the chip's

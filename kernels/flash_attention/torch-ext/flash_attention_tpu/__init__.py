@@ -84,11 +84,11 @@ def _backward(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None,
               mask: jax.Array | None, out: jax.Array, lse: jax.Array, grad: jax.Array, scale: float = 0.0,
               causal: bool = True, window: int = 0, softcap: float = 0.0, block_q: int = 0, block_k: int = 0,
               mask_only: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    b, hq, sq, _ = q.shape
+    hq = q.shape[1]
 
     def run(seq, mask, causal, window):
         dq, dk, dv, dsinks = pallas._backward(
-            q, k, v, sinks, pallas._canonical_seq(seq, b, sq, k.shape[2]), mask, out, lse, grad,
+            q, k, v, sinks, seq, mask, out, lse, grad,
             scale=attention_math.resolve_scale(scale, q.shape[3]), causal=causal, window=window,
             softcap=_opt(softcap), block_q=_opt(block_q), block_k=_opt(block_k), chip=pallas._chip_from_device())
         return dq, dk, dv, (jnp.zeros((hq,), jnp.float32) if dsinks is None else dsinks)

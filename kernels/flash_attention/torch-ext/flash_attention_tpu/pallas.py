@@ -38,6 +38,7 @@ reads it, and dO.O, lane-dense in rows.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
@@ -237,6 +238,16 @@ def _schedule(need, n_items):
     flags = (compute * COMPUTE + (live & (t[None] == take(base))) * FIRST
              + (live & (t[None] == take(ends) - 1)) * LAST).astype(jnp.int32)
     return row.reshape(-1), inner.reshape(-1).astype(jnp.int32), flags.reshape(-1)
+
+
+def _tables(seq, b, sq, sk, *, nq, nk, bq, bk, causal, window, n_items, transposed=False):
+    """A call's scalar-prefetched tables: the canonical ``seq`` [B * 3] and its step tables (``_schedule``; kv
+    blocks outer when ``transposed``). Without ``seq`` (every sequence whole: a plain prefill) they depend on
+    shapes alone and are worked out while tracing: constants of the program, no XLA ops before the kernel."""
+    with jax.ensure_compile_time_eval() if seq is None else contextlib.nullcontext():
+        seq = _canonical_seq(seq, b, sq, sk)
+        need = _need(seq, nq=nq, nk=nk, bq=bq, bk=bk, causal=causal, window=window)
+        return seq.reshape(-1), _schedule(jnp.swapaxes(need, 1, 2) if transposed else need, n_items)
 
 
 # --------------------------------------------------------------------------- kernels
@@ -664,7 +675,8 @@ def _forward(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap, block
     bq, bk, nq, nk, vmem = _forward_blocks(sq, sk, g, d, q.dtype.itemsize, block_q=block_q, block_k=block_k,
                                            chip=chip, window=window, has_mask=mask is not None)
     n_items = _max_items(sq, sk, bq, bk, causal, window, False)
-    outer, inner, flags = _schedule(_need(seq, nq=nq, nk=nk, bq=bq, bk=bk, causal=causal, window=window), n_items)
+    seq, (outer, inner, flags) = _tables(seq, b, sq, sk, nq=nq, nk=nk, bq=bq, bk=bk, causal=causal, window=window,
+                                         n_items=n_items)
 
     q_spec = pl.BlockSpec((None, None, g, bq, d), lambda bb, h, t, o, i, f, s: (bb, h, 0, o[bb * n_items + t], 0))
     kv_spec = pl.BlockSpec((None, None, bk, d), lambda bb, h, t, o, i, f, s: (bb, h, i[bb * n_items + t], 0))
@@ -707,7 +719,7 @@ def _forward(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap, block
         out_shape=out_shape,
         compiler_params=_params(vmem),
         name="flash_attention_fwd",
-    )(outer, inner, flags, seq.reshape(-1), *args)
+    )(outer, inner, flags, seq, *args)
     out = outs[0].reshape(b, hq, sq, d)
     lse = None
     if with_lse:
@@ -722,7 +734,7 @@ def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window,
     hkv, sk = k.shape[1], k.shape[2]
     g = hq // hkv
     bq, bk, nq, nk, vmem = _blocks(sq, sk, block_q, block_k, chip)
-    need = _need(seq, nq=nq, nk=nk, bq=bq, bk=bk, causal=causal, window=window)
+    tables = functools.partial(_tables, seq, b, sq, sk, nq=nq, nk=nk, bq=bq, bk=bk, causal=causal, window=window)
     di = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # [B, Hq, Sq]
     q5, do5 = q.reshape(b, hkv, g, sq, d), do.reshape(b, hkv, g, sq, d)
     row = lambda x: x.reshape(b, hkv, g, 1, sq)  # noqa: E731  per-row stats, lane-dense
@@ -744,7 +756,7 @@ def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window,
 
     # dq: q blocks outer, as the forward
     n_q = _max_items(sq, sk, bq, bk, causal, window, False)
-    tables = _schedule(need, n_q)
+    seq_q, tables_q = tables(n_items=n_q)
     in_specs, qs, _ = specs(n_q, lambda o, i, x: o[x], lambda o, i, x: i[x])
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, n_items=n_q, **common),
@@ -753,11 +765,11 @@ def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window,
         out_shape=jax.ShapeDtypeStruct((b, hkv, g, sq, d), q.dtype),
         compiler_params=_params(vmem),
         name="flash_attention_dq",
-    )(*tables, seq.reshape(-1), *args)
+    )(*tables_q, seq_q, *args)
 
     # dk, dv: kv blocks outer, each summing over its q blocks and the G heads of its group
     n_k = _max_items(sq, sk, bq, bk, causal, window, True)
-    tables = _schedule(jnp.swapaxes(need, 1, 2), n_k)
+    seq_k, tables_k = tables(n_items=n_k, transposed=True)
     in_specs, _, ks = specs(n_k, lambda o, i, x: i[x], lambda o, i, x: o[x])
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, n_items=n_k, **common),
@@ -767,7 +779,7 @@ def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window,
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=_params(vmem),
         name="flash_attention_dkv",
-    )(*tables, seq.reshape(-1), *args)
+    )(*tables_k, seq_k, *args)
 
     dsinks = None
     if sinks is not None:  # d/dz of a sink logit z: -sum over rows of p_sink * (dO . O)
@@ -826,12 +838,12 @@ def flash_attention(q, k, v, sinks=None, seq=None, mask=None, *, scale=None, cau
         chip = _chip_from_device()
     validate(q, k, v, sinks, seq, mask, scale=scale, causal=causal, window=window, softcap=softcap,
              block_q=block_q, block_k=block_k, chip=chip)
-    b, _, sq, d = q.shape
+    d = q.shape[3]
     static = (("scale", am.resolve_scale(scale, d)), ("causal", bool(causal)),
               ("window", None if window is None else int(window)),
               ("softcap", None if softcap is None else float(softcap)), ("block_q", block_q),
               ("block_k", block_k), ("chip", chip))
-    return _attention(q, k, v, sinks, _canonical_seq(seq, b, sq, k.shape[2]), mask, static)
+    return _attention(q, k, v, sinks, seq, mask, static)
 
 
 def flash_attention_with_lse(q, k, v, sinks=None, seq=None, mask=None, *, scale=None, causal=True, window=None,
@@ -841,9 +853,8 @@ def flash_attention_with_lse(q, k, v, sinks=None, seq=None, mask=None, *, scale=
         chip = _chip_from_device()
     validate(q, k, v, sinks, seq, mask, scale=scale, causal=causal, window=window, softcap=softcap,
              block_q=block_q, block_k=block_k, chip=chip)
-    b, _, sq, d = q.shape
-    return _forward(q, k, v, sinks, _canonical_seq(seq, b, sq, k.shape[2]), mask,
-                    scale=am.resolve_scale(scale, d), causal=causal, window=window,
+    d = q.shape[3]
+    return _forward(q, k, v, sinks, seq, mask, scale=am.resolve_scale(scale, d), causal=causal, window=window,
                     softcap=softcap, block_q=block_q, block_k=block_k, chip=chip, with_lse=True)
 
 
