@@ -387,6 +387,36 @@ def test_aligned_diagonal_masks_only_the_triangle(fa, monkeypatch):
             _check_forward(fa, 1, 8, 2, 1100, 1100, 64, block_q=512, block_k=1024, seq=seq)
 
 
+def test_full_tiles_are_those_every_row_sees_whole(fa):
+    """_full_tiles' run of tiles (the forward's unmasked loop) is exactly the tiles whose (row, key) pairs all may
+    attend by the positions' mask, for random sequences (padding on both sides, q padding), causal or not, with and
+    without a window, every q block and K/V block; tiles outside it go through the masked loop."""
+    P = fa.pallas
+    rng = np.random.default_rng(0)
+    bq = cols = 128
+    n = 3
+    def sequences():
+        for _ in range(12):
+            sk, sq = (int(x) for x in rng.integers(1, 900, 2))
+            kv_start = int(rng.integers(0, sk // 4 + 1))
+            yield sk, sq, kv_start, int(rng.integers(kv_start, sk + 1)), int(rng.integers(0, sq + 1))
+        for off in (0, 1, 126, 127, 128, 129):  # query row 0's position at each side of a tile's edge
+            yield 700, 300, 0, 300 + off, 300
+        for edge in (-1, 0, 1):  # kv_start and kv_end at each side of one
+            yield 700, 300, 128 + edge, 640 + edge, 300
+
+    for causal, window in [(True, None), (False, None), (True, 200), (False, 300)]:
+        for sk, sq, kv_start, kv_end, q_len in sequences():
+            seq = jnp.array([kv_start, kv_end, q_len], jnp.int32)
+            for qi in range(-(-sq // bq)):
+                for block0 in range(0, sk, n * cols):
+                    lo, hi = P._full_tiles(seq, 0, qi, block0, n, cols, bq=bq, causal=causal, window=window)
+                    for c in range(n):
+                        ok = P._positions(seq, 0, qi * bq, block0 + c * cols, rows=bq, cols=cols, causal=causal,
+                                          window=window)
+                        assert bool(ok.all()) == bool(lo <= c < hi), (sk, sq, seq, causal, window, qi, block0, c)
+
+
 def test_whole_sequences_schedule_at_trace_time(fa):
     """Without ``seq`` (every sequence whole) the step tables depend on shapes alone: worked out while tracing, they
     are constants of the program, so the gradient's program holds the kernels and no table ops (the argmax and
