@@ -438,7 +438,8 @@ def test_prefill_takes_long_kv_blocks_where_they_fit(fa, monkeypatch):
     """The forward takes K/V blocks of LONG_BLOCK_K keys for a prefill with no window and no mask where the
     sequence has that many and they fit the chip's VMEM (Gemma-3 8k on TPU7x: G = 2, d 256), else the chip's
     block_k (Qwen3-235B, G = 16, would overflow TPU7x's limit); and the result matches the reference with
-    long blocks over a ragged last block, causal and not."""
+    long blocks over a ragged last block, causal and not, and with 2 heads a group (the unmasked tiles in pairs,
+    an odd one left over before the diagonal)."""
     P = fa.pallas
     blocks = lambda sq, sk, g, d, chip="tpu7x", **kw: P._forward_blocks(  # noqa: E731
         sq, sk, g, d, 2, **{"block_q": None, "block_k": None, "chip": chip, "window": None, "has_mask": False, **kw})
@@ -454,8 +455,8 @@ def test_prefill_takes_long_kv_blocks_where_they_fit(fa, monkeypatch):
     monkeypatch.setitem(P.CHIP_BLOCKS, "tpu7x", (128, 256, 256, P.CHIP_BLOCKS["tpu7x"][3]))
     monkeypatch.setattr(P, "LONG_BLOCK_K", 512)
     assert blocks(1100, 1100, 4, 64)[1:4:2] == (512, 3)
-    for causal in (True, False):
-        _check_forward(fa, 1, 8, 2, 1100, 1100, 64, dtype=jnp.bfloat16, chip="tpu7x", causal=causal)
+    for causal, hq in ((True, 8), (False, 8), (True, 4)):  # 2 heads a group: full tiles in pairs, odd ones too
+        _check_forward(fa, 1, hq, 2, 1100, 1100, 64, dtype=jnp.bfloat16, chip="tpu7x", causal=causal)
 
 
 @pytest.mark.parametrize("scale", [0.3, -0.2])
