@@ -240,14 +240,16 @@ def _schedule(need, n_items):
     return row.reshape(-1), inner.reshape(-1).astype(jnp.int32), flags.reshape(-1)
 
 
-def _tables(seq, b, sq, sk, *, nq, nk, bq, bk, causal, window, n_items, transposed=False):
-    """A call's scalar-prefetched tables: the canonical ``seq`` [B * 3] and its step tables (``_schedule``; kv
-    blocks outer when ``transposed``). Without ``seq`` (every sequence whole: a plain prefill) they depend on
-    shapes alone and are worked out while tracing: constants of the program, no XLA ops before the kernel."""
+def _tables(seq, b, sq, sk, grids, *, nq, nk, bq, bk, causal, window):
+    """The kernels' scalar-prefetched tables: the canonical ``seq`` [B * 3] and, per (n_items, transposed) of
+    ``grids``, step tables (``_schedule``; kv blocks outer when transposed), all from one ``_need``. Without
+    ``seq`` (every sequence whole: a plain prefill) they depend on shapes alone and are worked out while
+    tracing: constants of the program, no XLA ops before the kernels."""
     with jax.ensure_compile_time_eval() if seq is None else contextlib.nullcontext():
         seq = _canonical_seq(seq, b, sq, sk)
         need = _need(seq, nq=nq, nk=nk, bq=bq, bk=bk, causal=causal, window=window)
-        return seq.reshape(-1), _schedule(jnp.swapaxes(need, 1, 2) if transposed else need, n_items)
+        return seq.reshape(-1), [_schedule(jnp.swapaxes(need, 1, 2) if transposed else need, n)
+                                 for n, transposed in grids]
 
 
 # --------------------------------------------------------------------------- kernels
@@ -707,8 +709,8 @@ def _forward(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap, block
     bq, bk, nq, nk, vmem = _forward_blocks(sq, sk, g, d, q.dtype.itemsize, block_q=block_q, block_k=block_k,
                                            chip=chip, window=window, has_mask=mask is not None)
     n_items = _max_items(sq, sk, bq, bk, causal, window, False)
-    seq, (outer, inner, flags) = _tables(seq, b, sq, sk, nq=nq, nk=nk, bq=bq, bk=bk, causal=causal, window=window,
-                                         n_items=n_items)
+    seq, [(outer, inner, flags)] = _tables(seq, b, sq, sk, [(n_items, False)], nq=nq, nk=nk, bq=bq, bk=bk,
+                                           causal=causal, window=window)
 
     q_spec = pl.BlockSpec((None, None, g, bq, d), lambda bb, h, t, o, i, f, s: (bb, h, 0, o[bb * n_items + t], 0))
     kv_spec = pl.BlockSpec((None, None, bk, d), lambda bb, h, t, o, i, f, s: (bb, h, i[bb * n_items + t], 0))
@@ -766,7 +768,10 @@ def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window,
     hkv, sk = k.shape[1], k.shape[2]
     g = hq // hkv
     bq, bk, nq, nk, vmem = _blocks(sq, sk, block_q, block_k, chip)
-    tables = functools.partial(_tables, seq, b, sq, sk, nq=nq, nk=nk, bq=bq, bk=bk, causal=causal, window=window)
+    n_q = _max_items(sq, sk, bq, bk, causal, window, False)
+    n_k = _max_items(sq, sk, bq, bk, causal, window, True)
+    seq, (tables_q, tables_k) = _tables(seq, b, sq, sk, [(n_q, False), (n_k, True)], nq=nq, nk=nk, bq=bq, bk=bk,
+                                        causal=causal, window=window)
     di = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # [B, Hq, Sq]
     q5, do5 = q.reshape(b, hkv, g, sq, d), do.reshape(b, hkv, g, sq, d)
     row = lambda x: x.reshape(b, hkv, g, 1, sq)  # noqa: E731  per-row stats, lane-dense
@@ -787,8 +792,6 @@ def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window,
     args = [q5, k, v, do5, row(lse), row(di)] + ([mask8] if mask is not None else [])
 
     # dq: q blocks outer, as the forward
-    n_q = _max_items(sq, sk, bq, bk, causal, window, False)
-    seq_q, tables_q = tables(n_items=n_q)
     in_specs, qs, _ = specs(n_q, lambda o, i, x: o[x], lambda o, i, x: i[x])
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, n_items=n_q, **common),
@@ -797,11 +800,9 @@ def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window,
         out_shape=jax.ShapeDtypeStruct((b, hkv, g, sq, d), q.dtype),
         compiler_params=_params(vmem),
         name="flash_attention_dq",
-    )(*tables_q, seq_q, *args)
+    )(*tables_q, seq, *args)
 
     # dk, dv: kv blocks outer, each summing over its q blocks and the G heads of its group
-    n_k = _max_items(sq, sk, bq, bk, causal, window, True)
-    seq_k, tables_k = tables(n_items=n_k, transposed=True)
     in_specs, _, ks = specs(n_k, lambda o, i, x: i[x], lambda o, i, x: o[x])
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, n_items=n_k, **common),
@@ -811,7 +812,7 @@ def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window,
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=_params(vmem),
         name="flash_attention_dkv",
-    )(*tables_k, seq_k, *args)
+    )(*tables_k, seq, *args)
 
     dsinks = None
     if sinks is not None:  # d/dz of a sink logit z: -sum over rows of p_sink * (dO . O)
