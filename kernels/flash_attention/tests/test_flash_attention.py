@@ -299,6 +299,23 @@ def test_compile_matrix_subset(fa, chip, shape, label):
     assert result.vmem_bytes < result.vmem_capacity
 
 
+@pytest.mark.tpu_compile
+@pytest.mark.parametrize("d", [64, 128])
+def test_prefill_takes_the_layout_xla_gives_its_arrays(fa, d):
+    """XLA:TPU lays [.., S, 64] out with S minor (lane-dense), [.., S, 128] row-major; the keys-major forward
+    reads q, k, v and writes its output in the layout their head dim has (``_transposes``), so the compiled
+    program copies none of them (with [.., S, 64] blocks it relayouted q, k, v and the output: 4 copies)."""
+    from pallas_hub.verify import tpu_devices
+    from pallas_hub.vendored._chips import chip as get_chip
+
+    place = jax.sharding.SingleDeviceSharding(tpu_devices(get_chip("v6e").topology)[0])
+    q = jax.ShapeDtypeStruct((1, 8, 2048, d), jnp.bfloat16, sharding=place)
+    kv = jax.ShapeDtypeStruct((1, 2, 2048, d), jnp.bfloat16, sharding=place)
+    fn = jax.jit(lambda q, k, v: fa.pallas.flash_attention(q, k, v, chip="v6e"))
+    text = fn.trace(q, kv, kv).lower(lowering_platforms=("tpu",)).compile().as_text()
+    assert "flash_attention_fwd" in text and " copy(" not in text
+
+
 @pytest.mark.slow  # ~35 s of compiler time before it gives up
 @pytest.mark.tpu_compile
 def test_compile_rejects_vmem_overflow(fa):
