@@ -268,7 +268,7 @@ def test_a_layer_whose_sums_do_not_fit_combines_in_parts(kern, monkeypatch, gath
     assert bool(jnp.all(parts == whole))
     with torch.no_grad():
         reference = ALL_EXPERTS_FUNCTIONS["grouped_mm"](mod, x, idx, w)
-    torch.testing.assert_close(torch.from_numpy(np.asarray(parts)), reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.from_numpy(np.array(parts)), reference, rtol=1e-5, atol=1e-5)
 
 
 def test_layers_combine_in_parts_only_where_the_parts_pay(kern):
