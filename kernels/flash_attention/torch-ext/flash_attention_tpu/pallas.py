@@ -27,10 +27,11 @@ lane-dense row reduced over sublanes (no cross-lane reductions or broadcasts), P
 as V^T @ P^T, whose 512-wide output fills a 256-wide MXU where head_dim 128 would fill half, and
 ones rows below V^T make the MXU sum the softmax denominator. With a head dim off the lane grid
 (64), whose [.., S, D] arrays XLA:TPU keeps with S minor, it reads q, K, V and writes its output as
-[.., D, S] views of them (``_transposes``). Short q blocks (decode) keep queries on sublanes. Logits are kept in base 2 (exp2; TPUs compute exp as exp2 of a product anyway), exp in f32
-on every chip: on v6e, whose EUP also takes bf16, the f32 exp's schedule is the shorter one (cost model,
-layer us bf16 -> f32 exp: Qwen3 8k 1790.9 -> 1717.7, Qwen3-235B 8k 3505.6 -> 3340.9, Gemma-3 8k 547.0 ->
-531.9, every prefill row 2.3-4.7% faster).
+[.., D, S] views of them (``_transposes``). Short q blocks (decode) keep queries on sublanes. Logits
+are kept in base 2 (exp2; TPUs compute exp as exp2 of a product anyway), exp in f32 on every chip: on
+v6e, whose EUP also takes bf16, the f32 exp's schedule is the shorter one (cost model, layer us bf16 ->
+f32 exp: Qwen3 8k 1790.9 -> 1717.7, Qwen3-235B 8k 3505.6 -> 3340.9, Gemma-3 8k 547.0 -> 531.9, every
+prefill row 2.3-4.7% faster).
 
 The forward's log-sum-exp (a training residual) leaves the kernel as lane-dense rows [..., 1, Sq]
 (keys-major) or lane-broadcast [..., 128] (short blocks) and becomes [B, Hq, Sq]; the backward
@@ -739,7 +740,8 @@ def _forward(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap, block
 
     transposed = _transposes(bq, d)
     if transposed:
-        q_spec = pl.BlockSpec((None, None, g, d, bq), lambda bb, h, t, o, i, f, s: (bb, h, 0, 0, o[bb * n_items + t]))
+        q_spec = pl.BlockSpec((None, None, g, d, bq),
+                              lambda bb, h, t, o, i, f, s: (bb, h, 0, 0, o[bb * n_items + t]))
         kv_spec = pl.BlockSpec((None, None, d, bk), lambda bb, h, t, o, i, f, s: (bb, h, 0, i[bb * n_items + t]))
         qkv = [jnp.swapaxes(q.reshape(b, hkv, g, sq, d), 3, 4), jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)]
     else:
