@@ -222,7 +222,7 @@ def test_quantized_torch_op(load_kernel):
     (gu, dn, gus, dns), (gate, up, down) = make_experts("fp8", e, h, i, seed=7)
     idx, w = routing(t, e, 2, empty={0}, seed=8)
     x = np.random.default_rng(9).standard_normal((t, h)).astype(np.float32)
-    tt = lambda a: torch.from_numpy(np.asarray(a.astype(jnp.float32) if a.dtype == jnp.float8_e4m3fn else a))  # noqa: E731
+    tt = lambda a: torch.from_numpy(np.array(a.astype(jnp.float32) if a.dtype == jnp.float8_e4m3fn else a))  # noqa: E731
     out = k.experts_op(torch.from_numpy(x), torch.from_numpy(idx).long(), torch.from_numpy(w),
                        tt(gu).to(torch.float8_e4m3fn), tt(dn).to(torch.float8_e4m3fn), gate_up_scale=tt(gus),
                        down_scale=tt(dns))
