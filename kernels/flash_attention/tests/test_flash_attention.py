@@ -100,6 +100,11 @@ GRADS = [  # ragged blocks, GQA, window, soft-cap, sinks, padding; MQA decode
     (2, 8, 2, 140, 300, 128, dict(window=50, softcap=5.0, use_sinks=True, seq=[[3, 290, 140], [0, 300, 12]],
                                   block_k=256)),  # ragged, chunked, 2 key tiles per K/V block
     (2, 4, 1, 1, 100, 64, dict(seq=[[10, 64, 1], [0, 40, 1]])),
+    # head dim 64 keys-major: [.., D, S] blocks (``_d_major``), ragged q and K/V blocks, padding on both sides
+    (1, 4, 2, 260, 300, 64, dict(window=70, softcap=5.0, use_sinks=True, seq=[[5, 297, 250]], block_k=256)),
+    (2, 4, 1, 130, 200, 64, dict(causal=False, seq=[[0, 200, 130], [10, 190, 100]],
+                                 mask=jax.random.bernoulli(jax.random.key(5), 0.7, (2, 130, 200)))),  # a given mask
+    (1, 2, 2, 150, 150, 128, dict(mask=jax.random.bernoulli(jax.random.key(6), 0.7, (1, 150, 150)))),
 ]
 
 
@@ -301,19 +306,23 @@ def test_compile_matrix_subset(fa, chip, shape, label):
 
 @pytest.mark.tpu_compile
 @pytest.mark.parametrize("d", [64, 128])
-def test_prefill_takes_the_layout_xla_gives_its_arrays(fa, d):
-    """XLA:TPU lays [.., S, 64] out with S minor (lane-dense), [.., S, 128] row-major; the keys-major forward
-    reads q, k, v and writes its output in the layout their head dim has (``_transposes``), so the compiled
-    program copies none of them (with [.., S, 64] blocks it relayouted q, k, v and the output: 4 copies)."""
+@pytest.mark.parametrize("grad", [False, True], ids=["forward", "gradient"])
+def test_prefill_takes_the_layout_xla_gives_its_arrays(fa, d, grad):
+    """XLA:TPU lays [.., S, 64] out with S minor (lane-dense), [.., S, 128] row-major; the keys-major kernels
+    read q, k, v (dO) and write their results in the layout their head dim has (``_d_major``), so the compiled
+    program copies none of them (with [.., S, 64] blocks the forward relayouted q, k, v and its output, 4
+    copies; its gradient program 7)."""
     from pallas_hub.verify import tpu_devices
     from pallas_hub.vendored._chips import chip as get_chip
 
     place = jax.sharding.SingleDeviceSharding(tpu_devices(get_chip("v6e").topology)[0])
     q = jax.ShapeDtypeStruct((1, 8, 2048, d), jnp.bfloat16, sharding=place)
     kv = jax.ShapeDtypeStruct((1, 2, 2048, d), jnp.bfloat16, sharding=place)
-    fn = jax.jit(lambda q, k, v: fa.pallas.flash_attention(q, k, v, chip="v6e"))
-    text = fn.trace(q, kv, kv).lower(lowering_platforms=("tpu",)).compile().as_text()
-    assert "flash_attention_fwd" in text and " copy(" not in text
+    forward = lambda q, k, v: fa.pallas.flash_attention(q, k, v, chip="v6e")  # noqa: E731
+    fn = jax.grad(lambda *a: forward(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2)) if grad else forward
+    text = jax.jit(fn).trace(q, kv, kv).lower(lowering_platforms=("tpu",)).compile().as_text()
+    kernels = ["flash_attention_dq", "flash_attention_dkv"] if grad else ["flash_attention_fwd"]
+    assert all(name in text for name in kernels) and " copy(" not in text
 
 
 @pytest.mark.slow  # ~35 s of compiler time before it gives up

@@ -27,7 +27,7 @@ lane-dense row reduced over sublanes (no cross-lane reductions or broadcasts), P
 as V^T @ P^T, whose 512-wide output fills a 256-wide MXU where head_dim 128 would fill half, and
 ones rows below V^T make the MXU sum the softmax denominator. With a head dim off the lane grid
 (64), whose [.., S, D] arrays XLA:TPU keeps with S minor, it reads q, K, V and writes its output as
-[.., D, S] views of them (``_transposes``). Short q blocks (decode) keep queries on sublanes. Logits
+[.., D, S] views of them (``_d_major``). Short q blocks (decode) keep queries on sublanes. Logits
 are kept in base 2 (exp2; TPUs compute exp as exp2 of a product anyway), exp in f32 on every chip: on
 v6e, whose EUP also takes bf16, the f32 exp's schedule is the shorter one (cost model, layer us bf16 ->
 f32 exp: Qwen3 8k 1790.9 -> 1717.7, Qwen3-235B 8k 3505.6 -> 3340.9, Gemma-3 8k 547.0 -> 531.9, every
@@ -35,7 +35,8 @@ prefill row 2.3-4.7% faster).
 
 The forward's log-sum-exp (a training residual) leaves the kernel as lane-dense rows [..., 1, Sq]
 (keys-major) or lane-broadcast [..., 128] (short blocks) and becomes [B, Hq, Sq]; the backward
-reads it, and dO.O, lane-dense in rows.
+reads it, and dO.O, lane-dense in rows. The backward works row-major, or with head dim 64 keys-major
+on the same [.., D, S] views as the forward (dO and the gradients too).
 """
 
 from __future__ import annotations
@@ -393,19 +394,13 @@ def _diagonal_aligned(seq_ref, b, qi, col0, *, bq):
             & (qi * bq + bq <= q_len))
 
 
-def _cols(x, start, n, ragged):
-    """``_rows`` for x [D, size] holding columns start.. of a length-n axis."""
+def _zero_past(x, start, n, ragged, axis=0):
+    """x holding positions start.. of a length-n axis along ``axis`` (the rows of a [size, D] block, the
+    columns of a [D, size] one), those past n zeroed when ``ragged``: a ragged last block holds stale memory,
+    and a NaN there would survive a zero weight (0 * NaN)."""
     if ragged:
-        pos = start + jax.lax.broadcasted_iota(jnp.int32, (1, x.shape[1]), 1)
-        x = jnp.where(pos < n, x, jnp.zeros_like(x))
-    return x
-
-
-def _rows(x, start, n, ragged):
-    """x [size, D] holding rows start.. of a length-n axis, rows past n zeroed when ``ragged``: a ragged
-    last block holds stale memory, and a NaN there would survive a zero weight (0 * NaN)."""
-    if ragged:
-        pos = start + jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
+        shape = (x.shape[0], 1) if axis == 0 else (1, x.shape[1])
+        pos = start + jax.lax.broadcasted_iota(jnp.int32, shape, axis)
         x = jnp.where(pos < n, x, jnp.zeros_like(x))
     return x
 
@@ -416,20 +411,39 @@ def _keys_major(bq):
     return bq % LANES == 0
 
 
-def _transposes(bq, d):
-    """Whether the forward takes q, k, v and gives its output as [.., d, S] views: keys-major (``_keys_major``),
-    with a head dim off the lane grid (64), whose [.., S, d] arrays XLA:TPU lays out with S minor (lane-dense),
-    so that the view is a bitcast where [.., S, d] blocks took a relayout copy of q, k, v and the output (and
-    padded d to 128 lanes). Keys-major, the kernel wants q and V transposed anyway (scores K Q^T, V^T P^T):
-    K is the block it transposes now, where V and each head's output were. Compiled for v6e, GPT-OSS-20B 2k
-    causal: the unmasked tiles' loop 14750 -> 14787 bundles, the masked ones' 44549 -> 41777; TPU7x 14764 ->
-    14219, 42109 -> 40737. Cost model, layer us v5e / v6e / TPU7x: 415.4 / 254.0 / 185.3 -> 335.6 / 191.3 /
-    151.1 (XLA's glue 53.6 / 46.9 / 23.9 -> 1.1 / 1.1 / 3.2)."""
+def _d_major(bq, d):
+    """Whether the kernels take q, k, v (and dO) and give their results as [.., d, S] views: q blocks of whole
+    lane tiles (``_keys_major``) and a head dim off the lane grid (64), whose [.., S, d] arrays XLA:TPU lays out
+    with S minor (lane-dense). The views are bitcasts, where [.., S, d] blocks took a relayout copy of each
+    array in and out (and padded d to 128 lanes in VMEM). Keys-major, the forward wants q and V transposed
+    anyway (scores K Q^T, V^T P^T): K is the block it transposes, where V and each head's output were; the
+    backward transposes K and V once a tile (K Q^T, V dO^T) and takes dQ^T = K^T dS^T, dK^T = Q^T dS, dV^T =
+    dO^T P as the blocks hold them. Compiled for v6e, GPT-OSS-20B 2k causal: the forward's unmasked tiles'
+    loop 14750 -> 14787 bundles, the masked ones' 44549 -> 41777 (TPU7x 14764 -> 14219, 42109 -> 40737);
+    layer us v5e / v6e / TPU7x 415.4 / 254.0 / 185.3 -> 335.6 / 191.3 / 151.1 (XLA's glue 53.6 / 46.9 / 23.9
+    -> 1.1 / 1.1 / 3.2). Its gradient program: 7 copies (56 MiB) -> none, a tile's heads' loop dq 4923 ->
+    4312 bundles, dk and dv 6789 -> 5312 (MXU pushes 384 -> 288, 512 -> 320: d no longer padded)."""
     return _keys_major(bq) and d % LANES != 0
 
 
+def _view(x, d_major):
+    """An operand x [.., S, D] as the kernels take it, or a result as they give it, back: [.., D, S] when
+    ``d_major`` (a bitcast in the layout XLA:TPU gives a head dim of 64)."""
+    return jnp.swapaxes(x, -1, -2) if d_major else x
+
+
+def _block(rows, d, d_major):
+    """The last two dims of a block of ``rows`` positions of a ``_view``."""
+    return (d, rows) if d_major else (rows, d)
+
+
+def _at(index, d_major):
+    """Block ``index`` (along the positions) of a ``_view``: its block indices in the last two dims."""
+    return (0, index) if d_major else (index, 0)
+
+
 def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups, bq, bk, bkc, sk, d, scale, causal,
-                window, softcap, has_sinks, has_mask, with_lse, heads_per_iteration, transposed):
+                window, softcap, has_sinks, has_mask, with_lse, heads_per_iteration, d_major):
     refs = list(refs)
     sinks_ref = refs.pop(0) if has_sinks else None
     q_ref, k_ref, v_ref = refs[:3]
@@ -482,10 +496,10 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
         # a tile-sized mask in VMEM and reload it; row-major (short rows): built once per tile
         ok = None if keys_major else positions()
         ragged = masked and sk % bk != 0  # a full tile lies inside Sk
-        if transposed:  # K^T, V^T blocks (``_transposes``)
-            k, vt = k_ref[:, tile].T, _cols(v_ref[:, tile], col0, sk, ragged)
+        if d_major:  # K^T, V^T blocks
+            k, vt = k_ref[:, tile].T, _zero_past(v_ref[:, tile], col0, sk, ragged, axis=1)
         else:
-            k, v = k_ref[tile, :], _rows(v_ref[tile, :], col0, sk, ragged)
+            k, v = k_ref[tile, :], _zero_past(v_ref[tile, :], col0, sk, ragged)
             vt = v.T if keys_major else None
         if keys_major:  # V^T and ones rows (the MXU sums the denominator), shared by the G heads
             vt = jnp.concatenate([vt, jnp.ones((am.ONES_ROWS, bkc), vt.dtype)], axis=0)
@@ -505,7 +519,7 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
             items = [(i * per + j, n) for j in range(per) for n in range(slabs or 1)]
 
             def scores(g, n):  # the unscaled dots where the step scales them (t_scale)
-                q = q_ref[g, :, pl.ds(n * size, size)].T if transposed else q_ref[g, pl.ds(n * size, size), :]
+                q = q_ref[g, :, pl.ds(n * size, size)].T if d_major else q_ref[g, pl.ds(n * size, size), :]
                 if t_scale != 1:
                     return am.dots_keys_major(k[:keys(n)], q)
                 return am.scores_keys_major(k[:keys(n)], q, scale=scale, softcap=softcap)
@@ -586,7 +600,7 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
             sink = sinks_ref[h * groups + g] if has_sinks else None
             if keys_major:
                 out, lse = am.finalize_keys_major(m_sc[g], acc_sc[g], d, sink)
-                out = out if transposed else out.T
+                out = out if d_major else out.T
             else:
                 out, lse = am.finalize(m_sc[g], l_sc[g], acc_sc[g], sink)
                 lse = jnp.broadcast_to(lse, (bq, LANES))
@@ -598,25 +612,43 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
         jax.lax.fori_loop(0, groups, head, 0)
 
 
-def _bwd_tile(seq_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, mask_ref, b, qi, col0, tile, g, *, bq, bk, bkc,
-              sq, sk, scale, causal, window, softcap):
-    """Shared backward math for head g, q block qi and the key tile ``tile`` (starting at key col0):
-    returns ds [bq, bkc] (w.r.t. the scaled logits before soft-capping), p [bq, bkc] and the operands."""
-    ok = _positions(seq_ref, b, qi * bq, col0, rows=bq, cols=bkc, causal=causal, window=window,
-                    mask=None if mask_ref is None else mask_ref[:, tile])
-    q = _rows(q_ref[g], qi * bq, sq, sq % bq != 0)
-    k = _rows(k_ref[tile, :], col0, sk, sk % bk != 0)
-    v = _rows(v_ref[tile, :], col0, sk, sk % bk != 0)
-    do = _rows(do_ref[g], qi * bq, sq, sq % bq != 0)
-    s = am.scores(q, k, scale=scale, softcap=softcap)
-    lse = jnp.expand_dims(lse_ref[g][0], -1)
-    di = jnp.expand_dims(di_ref[g][0], -1)
+_NT = (((1,), (1,)), ((), ()))  # dot_general: contract both operands' last dims (a @ b^T)
+
+
+def _bwd_keys(k_ref, v_ref, col0, tile, *, sk, bk, d_major):
+    """The key tile's K and V [bkc, D] from key col0, keys past Sk zeroed (``d_major``: from [D, bk] blocks,
+    transposed once for the G heads)."""
+    ragged = sk % bk != 0
+    if d_major:
+        return tuple(_zero_past(r[:, tile], col0, sk, ragged, axis=1).T for r in (k_ref, v_ref))
+    return tuple(_zero_past(r[tile, :], col0, sk, ragged) for r in (k_ref, v_ref))
+
+
+def _bwd_tile(seq_ref, q_ref, do_ref, lse_ref, di_ref, mask_ref, k, v, b, qi, col0, tile, g, *, bq, sq, scale,
+              causal, window, softcap, d_major):
+    """Shared backward math for head g, q block qi and the key tile ``tile`` (keys k, v [bkc, D] from key
+    col0, ``_bwd_keys``): returns ds (w.r.t. the scaled logits before soft-capping) and p, [bq, bkc], and head
+    g's q and dO [bq, D]; ``d_major``, keys-major: ds and p [bkc, bq], q and dO [D, bq] (``_d_major``)."""
+    ok = _positions(seq_ref, b, qi * bq, col0, rows=bq, cols=k.shape[0], causal=causal, window=window,
+                    mask=None if mask_ref is None else mask_ref[:, tile], keys_major=d_major)
+    axis = 1 if d_major else 0
+    q = _zero_past(q_ref[g], qi * bq, sq, sq % bq != 0, axis)
+    do = _zero_past(do_ref[g], qi * bq, sq, sq % bq != 0, axis)
+    if d_major:  # K Q^T and V dO^T; the rows' statistics [1, bq] broadcast over the keys
+        s = jax.lax.dot(k, q, preferred_element_type=jnp.float32) * scale
+        if softcap is not None:
+            s = softcap * jnp.tanh(s / softcap)
+        lse, di = lse_ref[g], di_ref[g]
+        dp = jax.lax.dot(v, do, preferred_element_type=jnp.float32)
+    else:
+        s = am.scores(q, k, scale=scale, softcap=softcap)
+        lse, di = jnp.expand_dims(lse_ref[g][0], -1), jnp.expand_dims(di_ref[g][0], -1)
+        dp = jax.lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
     p = jnp.where(ok, jnp.exp(jnp.where(ok, s, am.MASK_VALUE) - lse), 0.0)
-    dp = jax.lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     ds = jnp.where(ok, p * (dp - di), 0.0)  # di of a ragged block's stale rows may be NaN
     if softcap is not None:
         ds = ds * (1.0 - jnp.square(s / softcap))  # d(cap * tanh(x / cap))/dx
-    return ds, p, q, k, do
+    return ds, p, q, do
 
 
 def _for_each_tile(seq_ref, b, qi, kj, flags, *, bq, bk, bkc, causal, window, body):
@@ -629,7 +661,7 @@ def _for_each_tile(seq_ref, b, qi, kj, flags, *, bq, bk, bkc, causal, window, bo
 
 
 def _dq_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups, bq, bk, bkc, sq, sk, scale, causal,
-               window, softcap, has_mask):
+               window, softcap, has_mask, d_major):
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
     refs = refs[6:]
@@ -638,17 +670,25 @@ def _dq_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups,
     b, t = pl.program_id(0), pl.program_id(2)
     step = b * n_items + t
     qi, kj, flags = outer_ref[step], inner_ref[step], flags_ref[step]
-    static = dict(bq=bq, bk=bk, bkc=bkc, sq=sq, sk=sk, scale=scale, causal=causal, window=window, softcap=softcap)
+    static = dict(bq=bq, sq=sq, scale=scale, causal=causal, window=window, softcap=softcap, d_major=d_major)
 
     @pl.when((flags & FIRST) != 0)
     def _init():
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
     def compute(col0, tile):
+        keys = functools.partial(_bwd_keys, k_ref, v_ref, col0, tile, sk=sk, bk=bk, d_major=d_major)
+        kv = keys() if d_major else None  # transposed once a tile; [bkc, D] blocks are read per head
+
         def head(g, carry):
-            ds, _, _, k, _ = _bwd_tile(seq_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, mask_ref, b, qi, col0,
-                                       tile, g, **static)
-            dq_sc[g] += scale * jax.lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+            k, v = kv or keys()
+            ds, *_ = _bwd_tile(seq_ref, q_ref, do_ref, lse_ref, di_ref, mask_ref, k, v, b, qi, col0, tile, g,
+                               **static)
+            if d_major:  # dQ^T += K^T dS^T, K^T as the block holds it
+                kt = _zero_past(k_ref[:, tile], col0, sk, sk % bk != 0, axis=1)
+                dq_sc[g] += scale * jax.lax.dot(kt, ds.astype(kt.dtype), preferred_element_type=jnp.float32)
+            else:
+                dq_sc[g] += scale * jax.lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
             return carry
 
         jax.lax.fori_loop(0, groups, head, 0)
@@ -661,7 +701,7 @@ def _dq_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups,
 
 
 def _dkv_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups, bq, bk, bkc, sq, sk, scale, causal,
-                window, softcap, has_mask):
+                window, softcap, has_mask, d_major):
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref = refs[:6]
     refs = refs[6:]
@@ -670,7 +710,7 @@ def _dkv_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
     b, t = pl.program_id(0), pl.program_id(2)
     step = b * n_items + t
     kj, qi, flags = outer_ref[step], inner_ref[step], flags_ref[step]
-    static = dict(bq=bq, bk=bk, bkc=bkc, sq=sq, sk=sk, scale=scale, causal=causal, window=window, softcap=softcap)
+    static = dict(bq=bq, sq=sq, scale=scale, causal=causal, window=window, softcap=softcap, d_major=d_major)
 
     @pl.when((flags & FIRST) != 0)
     def _init():
@@ -678,10 +718,18 @@ def _dkv_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
     def compute(col0, tile):
+        keys = functools.partial(_bwd_keys, k_ref, v_ref, col0, tile, sk=sk, bk=bk, d_major=d_major)
+        kv = keys() if d_major else None
+
         def head(g, carry):
-            ds, p, q, _, do = _bwd_tile(seq_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, di_ref, mask_ref, b, qi, col0,
-                                        tile, g, **static)
-            if bq % 8 == 0:
+            k, v = kv or keys()
+            ds, p, q, do = _bwd_tile(seq_ref, q_ref, do_ref, lse_ref, di_ref, mask_ref, k, v, b, qi, col0, tile, g,
+                                     **static)
+            if d_major:  # dV^T += dO^T P, dK^T += Q^T dS: [D, bq] against [bkc, bq], both contracting lanes
+                dv_sc[:, tile] += jax.lax.dot_general(do, p.astype(do.dtype), _NT, preferred_element_type=jnp.float32)
+                dk_sc[:, tile] += scale * jax.lax.dot_general(q, ds.astype(q.dtype), _NT,
+                                                              preferred_element_type=jnp.float32)
+            elif bq % 8 == 0:
                 dv_sc[tile, :] += jax.lax.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
                 dk_sc[tile, :] += scale * jax.lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
             else:  # a short q block (decode-sized): contract over rows without a transpose
@@ -738,16 +786,12 @@ def _forward(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap, block
     seq, [(outer, inner, flags)] = _tables(seq, b, sq, sk, [(n_items, False)], nq=nq, nk=nk, bq=bq, bk=bk,
                                            causal=causal, window=window)
 
-    transposed = _transposes(bq, d)
-    if transposed:
-        q_spec = pl.BlockSpec((None, None, g, d, bq),
-                              lambda bb, h, t, o, i, f, s: (bb, h, 0, 0, o[bb * n_items + t]))
-        kv_spec = pl.BlockSpec((None, None, d, bk), lambda bb, h, t, o, i, f, s: (bb, h, 0, i[bb * n_items + t]))
-        qkv = [jnp.swapaxes(q.reshape(b, hkv, g, sq, d), 3, 4), jnp.swapaxes(k, 2, 3), jnp.swapaxes(v, 2, 3)]
-    else:
-        q_spec = pl.BlockSpec((None, None, g, bq, d), lambda bb, h, t, o, i, f, s: (bb, h, 0, o[bb * n_items + t], 0))
-        kv_spec = pl.BlockSpec((None, None, bk, d), lambda bb, h, t, o, i, f, s: (bb, h, i[bb * n_items + t], 0))
-        qkv = [q.reshape(b, hkv, g, sq, d), k, v]
+    d_major = _d_major(bq, d)
+    q_spec = pl.BlockSpec((None, None, g) + _block(bq, d, d_major),
+                          lambda bb, h, t, o, i, f, s: (bb, h, 0) + _at(o[bb * n_items + t], d_major))
+    kv_spec = pl.BlockSpec((None, None) + _block(bk, d, d_major),
+                           lambda bb, h, t, o, i, f, s: (bb, h) + _at(i[bb * n_items + t], d_major))
+    qkv = [_view(x, d_major) for x in (q.reshape(b, hkv, g, sq, d), k, v)]
     in_specs, args = [], []
     if sinks is not None:
         in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
@@ -759,7 +803,7 @@ def _forward(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap, block
             bb, o[bb * n_items + t], i[bb * n_items + t])))
         args.append(mask.astype(jnp.int8))
     out_specs = [q_spec]
-    out_shape = [jax.ShapeDtypeStruct((b, hkv, g) + ((d, sq) if transposed else (sq, d)), q.dtype)]
+    out_shape = [jax.ShapeDtypeStruct(qkv[0].shape, q.dtype)]
     if with_lse and _keys_major(bq):  # lane-dense rows, as the backward reads it
         out_specs.append(pl.BlockSpec((None, None, g, 1, bq),
                                       lambda bb, h, t, o, i, f, s: (bb, h, 0, 0, o[bb * n_items + t])))
@@ -778,7 +822,7 @@ def _forward(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap, block
     kernel = functools.partial(
         _fwd_kernel, n_items=n_items, groups=g, bq=bq, bk=bk, bkc=_compute_tile(bq, bk), sk=sk, d=d, scale=scale,
         causal=causal, window=window, softcap=softcap, has_sinks=sinks is not None, has_mask=mask is not None,
-        with_lse=with_lse, heads_per_iteration=_heads_per_iteration(g, chip), transposed=transposed)
+        with_lse=with_lse, heads_per_iteration=_heads_per_iteration(g, chip), d_major=d_major)
     outs = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -788,7 +832,7 @@ def _forward(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap, block
         compiler_params=_params(vmem),
         name="flash_attention_fwd",
     )(outer, inner, flags, seq, *args)
-    out = (jnp.swapaxes(outs[0], 3, 4) if transposed else outs[0]).reshape(b, hq, sq, d)
+    out = _view(outs[0], d_major).reshape(b, hq, sq, d)
     lse = None
     if with_lse:
         lse = (outs[1] if _keys_major(bq) else outs[1][..., 0]).reshape(b, hq, sq)
@@ -807,15 +851,18 @@ def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window,
     seq, (tables_q, tables_k) = _tables(seq, b, sq, sk, [(n_q, False), (n_k, True)], nq=nq, nk=nk, bq=bq, bk=bk,
                                         causal=causal, window=window)
     di = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # [B, Hq, Sq]
-    q5, do5 = q.reshape(b, hkv, g, sq, d), do.reshape(b, hkv, g, sq, d)
+    d_major = _d_major(bq, d)
+    q5, k, v, do5 = (_view(x, d_major) for x in (q.reshape(b, hkv, g, sq, d), k, v, do.reshape(b, hkv, g, sq, d)))
     row = lambda x: x.reshape(b, hkv, g, 1, sq)  # noqa: E731  per-row stats, lane-dense
     mask8 = None if mask is None else mask.astype(jnp.int8)
-    common = dict(groups=g, bq=bq, bk=bk, bkc=_compute_tile(bq, bk), sq=sq, sk=sk, scale=scale, causal=causal, window=window, softcap=softcap,
-                  has_mask=mask is not None)
+    common = dict(groups=g, bq=bq, bk=bk, bkc=_compute_tile(bq, bk), sq=sq, sk=sk, scale=scale, causal=causal,
+                  window=window, softcap=softcap, has_mask=mask is not None, d_major=d_major)
 
     def specs(n, q_idx, k_idx):
-        qs = pl.BlockSpec((None, None, g, bq, d), lambda bb, h, t, o, i, f, s: (bb, h, 0, q_idx(o, i, bb * n + t), 0))
-        ks = pl.BlockSpec((None, None, bk, d), lambda bb, h, t, o, i, f, s: (bb, h, k_idx(o, i, bb * n + t), 0))
+        qs = pl.BlockSpec((None, None, g) + _block(bq, d, d_major),
+                          lambda bb, h, t, o, i, f, s: (bb, h, 0) + _at(q_idx(o, i, bb * n + t), d_major))
+        ks = pl.BlockSpec((None, None) + _block(bk, d, d_major),
+                          lambda bb, h, t, o, i, f, s: (bb, h) + _at(k_idx(o, i, bb * n + t), d_major))
         rs = pl.BlockSpec((None, None, g, 1, bq), lambda bb, h, t, o, i, f, s: (bb, h, 0, 0, q_idx(o, i, bb * n + t)))
         in_specs = [qs, ks, ks, qs, rs, rs]
         if mask is not None:
@@ -829,9 +876,10 @@ def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window,
     in_specs, qs, _ = specs(n_q, lambda o, i, x: o[x], lambda o, i, x: i[x])
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, n_items=n_q, **common),
-        grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=4, grid=(b, hkv, n_q), in_specs=in_specs,
-                                               out_specs=qs, scratch_shapes=[pltpu.VMEM((g, bq, d), jnp.float32)]),
-        out_shape=jax.ShapeDtypeStruct((b, hkv, g, sq, d), q.dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4, grid=(b, hkv, n_q), in_specs=in_specs, out_specs=qs,
+            scratch_shapes=[pltpu.VMEM((g,) + _block(bq, d, d_major), jnp.float32)]),
+        out_shape=jax.ShapeDtypeStruct(q5.shape, q.dtype),
         compiler_params=_params(vmem),
         name="flash_attention_dq",
     )(*tables_q, seq, *args)
@@ -842,11 +890,12 @@ def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window,
         functools.partial(_dkv_kernel, n_items=n_k, **common),
         grid_spec=pltpu.PrefetchScalarGridSpec(num_scalar_prefetch=4, grid=(b, hkv, n_k), in_specs=in_specs,
                                                out_specs=[ks, ks],
-                                               scratch_shapes=[pltpu.VMEM((bk, d), jnp.float32)] * 2),
+                                               scratch_shapes=[pltpu.VMEM(_block(bk, d, d_major), jnp.float32)] * 2),
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=_params(vmem),
         name="flash_attention_dkv",
     )(*tables_k, seq, *args)
+    dq, dk, dv = (_view(x, d_major) for x in (dq, dk, dv))
 
     dsinks = None
     if sinks is not None:  # d/dz of a sink logit z: -sum over rows of p_sink * (dO . O)
