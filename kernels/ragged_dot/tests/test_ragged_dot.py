@@ -290,7 +290,7 @@ def test_all_empty_groups_items_are_tail_only(load_kernel):
 
 
 @pytest.mark.parametrize("chip", ["v5e", "v6e", "tpu7x"])
-@pytest.mark.parametrize("m,n_weights", [(256, 1), (1024, 1), (256, 3)])
+@pytest.mark.parametrize("m,n_weights", [(256, 1), (1024, 1), (256, 3), (8192, 2)])
 def test_tiling_counts_the_weights_an_overhanging_block_moves(load_kernel, chip, m, n_weights):
     """GPT-OSS's 2880 columns (no 128-multiple divides them): a last block overhanging n moves its whole
     width of weights, so the chosen width reads at most 1.1x them where some width fitting VMEM does

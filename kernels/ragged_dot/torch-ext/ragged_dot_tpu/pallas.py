@@ -78,7 +78,9 @@ def _vmem_budget(chip: Chip) -> int:
     whole rows on v5e and v6e at 1 and 64 tokens: layer us GPT-OSS-20B
     TPU7x 2048 / 8192 tokens 709.8 / 2542.5 -> 678.1 / 2487.7, MXFP4 at 64 tokens v5e / v6e / TPU7x 1195.3 /
     858.6 / 544.0 -> 981.2 / 780.2 / 518.9, at 1 token 129.1 / 102.5 / 74.2 -> 122.2 / 96.4 / 71.6. At 0.75
-    TPU7x's 2048 tokens took 256-row down tiles: 789.0."""
+    TPU7x's 2048 tokens took 256-row down tiles: 789.0. With the pairs' weights counted as the two units they
+    are (``gmm``), TPU7x's gate_up takes 1536-column blocks (two, where 1024 took three passes over the rows):
+    678.1 / 2487.7 -> 654.2 / 2438.4."""
     return int(chip.vmem_bytes * 0.85)
 
 
@@ -862,9 +864,15 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
     n = n_full // 2 if gated else n_full
     out_dtype = jnp.dtype(out_dtype or lhs.dtype)
     if tm is None or tn is None:
+        # the weights' VMEM in units of k x tn: [gate; up]'s two blocks, or an interleaved one 2 tn wide; a third
+        # where that one is split by transposes (their temporaries) or dequantized from MXFP4 (its scratch).
+        # Compiled for TPU7x, GPT-OSS-20B's gate_up (pairs) at 8192 rows in (512, 1536) blocks needs 44-47 MiB
+        # of VMEM, in (512, 1024) 30-34: two units estimate 46.8 and 33.1, three 65.2 and 45.4
+        as_pairs = _pairs(interleaved and gated, 128, out_dtype, m, g, chip, pairs)  # 2 tn: whole lane tiles
+        units = 1 if not gated else 2 if not interleaved or (as_pairs and rhs_scale is None) else 3
         try:
             ctm, ctn = choose_gmm_tiling(m, k, n, g, in_dtype=lhs.dtype, out_dtype=out_dtype, chip=chip,
-                                         n_weights=3 if interleaved else 2 if gated else 1, lane_n=not transposed,
+                                         n_weights=units, lane_n=not transposed,
                                          divisors_only=n_w == 2, quantized=rhs_scale is not None)
         except ValueError:
             if n_w != 2 or tm is not None or tn is not None:
