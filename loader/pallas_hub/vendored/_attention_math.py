@@ -43,7 +43,12 @@ def allowed(q_pos, k_pos, *, causal: bool, window: int | None):
 def scores(q, k, *, scale: float, softcap: float | None):
     """f32 logits q @ k^T (contracting the last dims), scaled then soft-capped."""
     s = jax.lax.dot_general(q, k, (((q.ndim - 1,), (k.ndim - 1,)), ((), ())), preferred_element_type=jnp.float32)
-    s = s * scale
+    return logits(s, scale=scale, softcap=softcap)
+
+
+def logits(dots, *, scale: float, softcap: float | None):
+    """f32 q.k dots as logits: scaled then soft-capped (``scores`` after its dot, for dots taken another way)."""
+    s = dots * scale
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     return s

@@ -616,11 +616,11 @@ _NT = (((1,), (1,)), ((), ()))  # dot_general: contract both operands' last dims
 
 
 def _bwd_keys(k_ref, v_ref, col0, tile, *, sk, bk, d_major):
-    """The key tile's K and V [bkc, D] from key col0, keys past Sk zeroed (``d_major``: from [D, bk] blocks,
-    transposed once for the G heads)."""
+    """The key tile's K and V [bkc, D] from key col0, keys past Sk zeroed; ``d_major``: K^T and V^T [D, bkc], as
+    the blocks hold them."""
     ragged = sk % bk != 0
     if d_major:
-        return tuple(_zero_past(r[:, tile], col0, sk, ragged, axis=1).T for r in (k_ref, v_ref))
+        return tuple(_zero_past(r[:, tile], col0, sk, ragged, axis=1) for r in (k_ref, v_ref))
     return tuple(_zero_past(r[tile, :], col0, sk, ragged) for r in (k_ref, v_ref))
 
 
@@ -635,9 +635,7 @@ def _bwd_tile(seq_ref, q_ref, do_ref, lse_ref, di_ref, mask_ref, k, v, b, qi, co
     q = _zero_past(q_ref[g], qi * bq, sq, sq % bq != 0, axis)
     do = _zero_past(do_ref[g], qi * bq, sq, sq % bq != 0, axis)
     if d_major:  # K Q^T and V dO^T; the rows' statistics [1, bq] broadcast over the keys
-        s = jax.lax.dot(k, q, preferred_element_type=jnp.float32) * scale
-        if softcap is not None:
-            s = softcap * jnp.tanh(s / softcap)
+        s = am.logits(jax.lax.dot(k, q, preferred_element_type=jnp.float32), scale=scale, softcap=softcap)
         lse, di = lse_ref[g], di_ref[g]
         dp = jax.lax.dot(v, do, preferred_element_type=jnp.float32)
     else:
@@ -678,14 +676,15 @@ def _dq_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups,
 
     def compute(col0, tile):
         keys = functools.partial(_bwd_keys, k_ref, v_ref, col0, tile, sk=sk, bk=bk, d_major=d_major)
-        kv = keys() if d_major else None  # transposed once a tile; [bkc, D] blocks are read per head
+        if d_major:  # K and V transposed once a tile for the G heads; [bkc, D] blocks are read per head
+            kt, vt = keys()
+            kv = kt.T, vt.T
 
         def head(g, carry):
-            k, v = kv or keys()
+            k, v = kv if d_major else keys()
             ds, *_ = _bwd_tile(seq_ref, q_ref, do_ref, lse_ref, di_ref, mask_ref, k, v, b, qi, col0, tile, g,
                                **static)
             if d_major:  # dQ^T += K^T dS^T, K^T as the block holds it
-                kt = _zero_past(k_ref[:, tile], col0, sk, sk % bk != 0, axis=1)
                 dq_sc[g] += scale * jax.lax.dot(kt, ds.astype(kt.dtype), preferred_element_type=jnp.float32)
             else:
                 dq_sc[g] += scale * jax.lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
@@ -719,10 +718,10 @@ def _dkv_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
 
     def compute(col0, tile):
         keys = functools.partial(_bwd_keys, k_ref, v_ref, col0, tile, sk=sk, bk=bk, d_major=d_major)
-        kv = keys() if d_major else None
+        kv = tuple(x.T for x in keys()) if d_major else None
 
         def head(g, carry):
-            k, v = kv or keys()
+            k, v = kv if d_major else keys()
             ds, p, q, do = _bwd_tile(seq_ref, q_ref, do_ref, lse_ref, di_ref, mask_ref, k, v, b, qi, col0, tile, g,
                                      **static)
             if d_major:  # dV^T += dO^T P, dK^T += Q^T dS: [D, bq] against [bkc, bq], both contracting lanes

@@ -867,8 +867,9 @@ def gmm(lhs, rhs, group_sizes, *, transposed: bool = False, out_dtype=None, tm: 
         # the weights' VMEM in units of k x tn: [gate; up]'s two blocks, or an interleaved one 2 tn wide; a third
         # where that one is split by transposes (their temporaries) or dequantized from MXFP4 (its scratch).
         # Compiled for TPU7x, GPT-OSS-20B's gate_up (pairs) at 8192 rows in (512, 1536) blocks needs 44-47 MiB
-        # of VMEM, in (512, 1024) 30-34: two units estimate 46.8 and 33.1, three 65.2 and 45.4
-        as_pairs = _pairs(interleaved and gated, 128, out_dtype, m, g, chip, pairs)  # 2 tn: whole lane tiles
+        # of VMEM, in (512, 1024) 30-34: two units estimate 46.8 and 33.1, three 65.2 and 45.4. Pairs counted
+        # where all 2n interleaved columns are whole lane tiles: then so is every block's 2 tn (tn: 128s or n)
+        as_pairs = _pairs(interleaved and gated, 2 * n, out_dtype, m, g, chip, pairs)
         units = 1 if not gated else 2 if not interleaved or (as_pairs and rhs_scale is None) else 3
         try:
             ctm, ctn = choose_gmm_tiling(m, k, n, g, in_dtype=lhs.dtype, out_dtype=out_dtype, chip=chip,
