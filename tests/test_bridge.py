@@ -29,6 +29,8 @@ def test_int64_becomes_int32_and_out_of_range_is_refused():
     assert a.dtype == jnp.int32 and a.tolist() == [0, 5, 2**31 - 1]
     with pytest.raises(ValueError, match="int32 range"):
         bridge.to_jax(torch.tensor([2**31], dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"page_indices has int64 values out of int32 range.*values 0 to 1099511627776"):
+        bridge.to_jax(torch.tensor([0, 2**40], dtype=torch.int64), "page_indices")  # the op's argument, named
 
 
 def test_empty_tensors_cross_the_bridge():

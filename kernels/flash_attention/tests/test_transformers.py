@@ -114,6 +114,8 @@ def test_attention_forward_irregular_mask_and_errors(fa):
         fa.attention_forward(m, q, k, v, mask[:, :, :8])
     with pytest.raises(ValueError, match="sliding_window must be a positive"):
         fa.attention_forward(m, q, k, v, None, sliding_window=0)
+    with pytest.raises(ValueError, match=r"scaling=0.0 .* not supported"):  # the op would read 0 as its default
+        fa.attention_forward(m, q, k, v, None, scaling=0.0)
     with pytest.raises(ValueError, match="multiple of the number of KV heads"):
         fa.attention_forward(m, q[:, :3], k, v, None)
 
@@ -205,3 +207,32 @@ def test_torch_autograd_with_sinks_window_softcap(fa):
     want = torch.autograd.grad((ref * w).sum(), (q, k, v, sinks))
     for name, a, r in zip(("dq", "dk", "dv", "dsinks"), got, want):
         torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_torch_autograd_through_the_log_sum_exp(fa):
+    """A loss on the op's log-sum-exp as well as its output: the lse's gradient reaches q, k and the sinks
+    (d lse / d logits = p), against torch autograd of torch.logsumexp over the same logits with the sink column.
+    With no key (Sk = 0) a row's lse is its sink logit, so the sinks take the lse's gradient whole."""
+    torch.manual_seed(4)
+    b, hq, hkv, s, d = 2, 4, 2, 21, 64
+    q = torch.randn(b, hq, s, d, requires_grad=True)
+    k = torch.randn(b, hkv, s, d, requires_grad=True)
+    v = torch.randn(b, hkv, s, d, requires_grad=True)
+    sinks = torch.randn(hq, requires_grad=True)
+    w, u = torch.randn(b, hq, s, d), torch.randn(b, hq, s)
+    out, lse = fa.attention(q, k, v, sinks, scale=0.15, window=6, softcap=4.0)
+    got = torch.autograd.grad((out * w).sum() + (lse * u).sum(), (q, k, v, sinks))
+    kk, vv = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
+    logits = 4.0 * torch.tanh(q @ kk.transpose(-1, -2) * 0.15 / 4.0)
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    logits = logits.masked_fill(~((j <= i) & (j > i - 6)), -torch.inf)
+    logits = torch.cat([logits, sinks.view(1, hq, 1, 1).expand(b, hq, s, 1)], -1)
+    ref, ref_lse = torch.softmax(logits, -1)[..., :s] @ vv, torch.logsumexp(logits, -1)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    want = torch.autograd.grad((ref * w).sum() + (ref_lse * u).sum(), (q, k, v, sinks))
+    for name, a, r in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4, msg=name)
+    _, lse = fa.attention(q, k[:, :, :0], v[:, :, :0], sinks)
+    torch.testing.assert_close(lse, sinks.detach().view(1, hq, 1).expand(b, hq, s))
+    (dsinks,) = torch.autograd.grad((lse * u).sum(), (sinks,))
+    torch.testing.assert_close(dsinks, u.sum(dim=(0, 2)))

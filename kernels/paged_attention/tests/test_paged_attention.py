@@ -405,6 +405,21 @@ def test_quantize_kv_op_errors_name_the_argument(load_kernel):
         k.quantize_kv(x, torch.ones(4), "float8_e4m3fn")
     with pytest.raises(TypeError, match="x must have dtype float32 or bfloat16, got int8"):
         k.quantize_kv(x.to(torch.int8), scale, "int8")
+    for bad in ([0.0, 1.0], [-1.0, 1.0], [float("nan"), 1.0]):  # as write_kv's: zero would saturate, -1 flip signs
+        with pytest.raises(ValueError, match="scale must be positive and finite"):
+            k.quantize_kv(x, torch.tensor(bad), "int8")
+
+
+def test_write_errors_name_the_new_rows(load_kernel):
+    """write_kv's rows are new_k's: its metadata errors say so, not "q" (write_kv has none)."""
+    k = load_kernel("paged_attention")
+    kp, new = jnp.zeros((4, 16, 2, 64)), jnp.ones((4, 2, 64))
+    args = (jnp.array([1, 4]), jnp.array([[0, 1], [2, 3]]), jnp.array([0, 1, 5]))
+    with pytest.raises(ValueError, match=r"cu_q_lens\[-1\]=5 exceeds the number of query rows new_k.shape\[0\]=4"):
+        k.pallas.write_kv(kp, kp, new, new, *args)
+    with pytest.raises(ValueError, match=r"multiple of 16 for a bfloat16 new_k"):
+        k.pallas.write_kv(jnp.zeros((4, 8, 2, 64), jnp.bfloat16), jnp.zeros((4, 8, 2, 64), jnp.bfloat16),
+                          new.astype(jnp.bfloat16), new.astype(jnp.bfloat16), jnp.array([1, 4]), *args[1:])
 
 
 QUANT_BAD = {  # name: (change, message); the cache is float8_e4m3fn unless the change says otherwise

@@ -330,6 +330,8 @@ def test_bad_input_is_refused_with_clear_errors(load_kernel):
         P.ragged_dot(lhs, rhs[0], gs)
     with pytest.raises(ValueError, match="tile_m must be 0"):
         P.ragged_dot(lhs, rhs, gs, tile_m=12)
+    with pytest.raises(ValueError, match=r"tile_m must be 0 \(automatic\) or a positive multiple of 16 \(lhs is bfloat16\)"):
+        P.ragged_dot(lhs.astype(jnp.bfloat16), rhs.astype(jnp.bfloat16), gs, tile_m=8)  # bf16 packs 16 rows a tile
 
 
 def test_torch_bad_input(load_kernel):

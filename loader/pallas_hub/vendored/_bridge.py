@@ -213,8 +213,9 @@ def _as_jax_dtype(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.int32) if t.dtype == torch.int64 else t
 
 
-def to_jax(t: torch.Tensor):
-    """A CPU torch tensor as something a jitted JAX function takes without copying it.
+def to_jax(t: torch.Tensor, name: str = "a tensor"):
+    """A CPU torch tensor (the argument ``name``, for errors) as something a jitted JAX function takes without
+    copying it.
 
     That is a NumPy view of the tensor's memory (bfloat16 through ml_dtypes): JAX's CPU client
     wraps an aligned host buffer in place, and this path costs about half of a DLPack import plus
@@ -226,7 +227,8 @@ def to_jax(t: torch.Tensor):
 
     if t.dtype == torch.int64 and t.numel():
         if t.max() > torch.iinfo(torch.int32).max or t.min() < torch.iinfo(torch.int32).min:
-            raise ValueError(f"int64 values out of int32 range cannot be passed to a TPU kernel (got {tuple(t.shape)})")
+            raise ValueError(f"{name} has int64 values out of int32 range, which cannot be passed to a TPU kernel "
+                             f"(shape {tuple(t.shape)}, values {int(t.min())} to {int(t.max())})")
     t = _as_jax_dtype(t)
     if t.numel() == 0:  # nothing to share
         return jnp.zeros(tuple(t.shape), dtype=jnp.dtype(dtype_name(t)))
@@ -352,7 +354,7 @@ def jax_op(
         for name, value in bound.arguments.items():
             if kinds[name] != "static" and value is not None:
                 tensors.append(value)
-                value = to_jax(value)
+                value = to_jax(value, name)
             jargs[name] = value
         with _interpret_mode():
             out = jitted(**jargs)

@@ -81,16 +81,17 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None =
 
 
 def _backward(q: jax.Array, k: jax.Array, v: jax.Array, sinks: jax.Array | None, seq: jax.Array | None,
-              mask: jax.Array | None, out: jax.Array, lse: jax.Array, grad: jax.Array, scale: float = 0.0,
-              causal: bool = True, window: int = 0, softcap: float = 0.0, block_q: int = 0, block_k: int = 0,
-              mask_only: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+              mask: jax.Array | None, out: jax.Array, lse: jax.Array, grad: jax.Array, grad_lse: jax.Array | None,
+              scale: float = 0.0, causal: bool = True, window: int = 0, softcap: float = 0.0, block_q: int = 0,
+              block_k: int = 0, mask_only: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     hq = q.shape[1]
 
     def run(seq, mask, causal, window):
         dq, dk, dv, dsinks = pallas._backward(
             q, k, v, sinks, seq, mask, out, lse, grad,
             scale=attention_math.resolve_scale(scale, q.shape[3]), causal=causal, window=window,
-            softcap=_opt(softcap), block_q=_opt(block_q), block_k=_opt(block_k), chip=pallas._chip_from_device())
+            softcap=_opt(softcap), block_q=_opt(block_q), block_k=_opt(block_k), chip=pallas._chip_from_device(),
+            dlse=grad_lse)
         return dq, dk, dv, (jnp.zeros((hq,), jnp.float32) if dsinks is None else dsinks)
 
     return _by_mask(run, seq, mask, causal, _opt(window), mask_only)
@@ -101,13 +102,13 @@ def _fake_forward(q, k, v, sinks=None, seq=None, mask=None, scale=0.0, causal=Tr
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def _fake_backward(q, k, v, sinks, seq, mask, out, lse, grad, scale=0.0, causal=True, window=0, softcap=0.0,
-                   block_q=0, block_k=0, mask_only=False):
+def _fake_backward(q, k, v, sinks, seq, mask, out, lse, grad, grad_lse, scale=0.0, causal=True, window=0,
+                   softcap=0.0, block_q=0, block_k=0, mask_only=False):
     ds = torch.empty_like(sinks) if sinks is not None else q.new_empty((q.shape[1],), dtype=torch.float32)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), ds
 
 
-def _check_backward(q, k, v, sinks, seq, mask, out, lse, grad, *args, **kwargs):
+def _check_backward(q, k, v, sinks, seq, mask, out, lse, grad, grad_lse, *args, **kwargs):
     _check(q, k, v, sinks, seq, mask, *args, **kwargs)
 
 
@@ -127,7 +128,8 @@ def _setup_context(ctx, inputs, output):
 
 def _autograd_backward(ctx, grad_out, grad_lse):
     q, k, v, sinks, seq, mask, out, lse = ctx.saved_tensors
-    dq, dk, dv, dsinks = attention_backward(q, k, v, sinks, seq, mask, out, lse, grad_out.contiguous(), *ctx.static)
+    dq, dk, dv, dsinks = attention_backward(q, k, v, sinks, seq, mask, out, lse, grad_out.contiguous(),
+                                            None if grad_lse is None else grad_lse.contiguous(), *ctx.static)
     return (dq, dk, dv, dsinks if ctx.has_sinks else None, None, None) + (None,) * len(ctx.static)
 
 
@@ -158,6 +160,9 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         causal = getattr(module, "is_causal", True)
     if window is not None and window <= 0:
         raise ValueError(f"sliding_window must be a positive number of tokens, got {window}")
+    if scaling == 0:  # refused, not silently replaced: the op reads scale 0.0 as its default
+        raise ValueError("scaling=0.0 (every key weighted alike) is not supported: the kernel op reads a scale of 0 "
+                         "as head_dim ** -0.5; pass scaling=None for that default")
     b, hq, sq, d = query.shape
     sk = key.shape[2]
     mask = None

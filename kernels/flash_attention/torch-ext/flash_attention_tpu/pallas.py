@@ -838,9 +838,15 @@ def _forward(q, k, v, sinks, seq, mask, *, scale, causal, window, softcap, block
     return out, lse
 
 
-def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window, softcap, block_q, block_k, chip):
-    if _is_empty(q, k):  # the output is 0 (or empty) whatever q, k, v and sinks are
-        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), None if sinks is None else jnp.zeros_like(sinks)
+def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window, softcap, block_q, block_k, chip,
+              dlse=None):
+    """dq, dk, dv and dsinks (None without sinks) from the output's gradient ``do`` and (``dlse``) the log-sum-exp's:
+    d lse / d s = p, so it joins as ``di`` - dlse (``di`` = dO . O, ds = p * (dp - di))."""
+    if _is_empty(q, k):  # the output is 0 (or empty) whatever q, k, v and sinks are; with no key, a row's lse is
+        # its sink logit (or MASK_VALUE, a constant, without sinks)
+        dsinks = None if sinks is None else (jnp.zeros_like(sinks) if dlse is None else
+                                             jnp.sum(dlse.astype(jnp.float32), axis=(0, 2)).astype(sinks.dtype))
+        return jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v), dsinks
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -850,6 +856,8 @@ def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window,
     seq, (tables_q, tables_k) = _tables(seq, b, sq, sk, [(n_q, False), (n_k, True)], nq=nq, nk=nk, bq=bq, bk=bk,
                                         causal=causal, window=window)
     di = jnp.sum(out.astype(jnp.float32) * do.astype(jnp.float32), axis=-1)  # [B, Hq, Sq]
+    if dlse is not None:
+        di = di - dlse.astype(jnp.float32)
     d_major = _d_major(bq, d)
     q5, k, v, do5 = (_view(x, d_major) for x in (q.reshape(b, hkv, g, sq, d), k, v, do.reshape(b, hkv, g, sq, d)))
     row = lambda x: x.reshape(b, hkv, g, 1, sq)  # noqa: E731  per-row stats, lane-dense
@@ -897,7 +905,7 @@ def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window,
     dq, dk, dv = (_view(x, d_major) for x in (dq, dk, dv))
 
     dsinks = None
-    if sinks is not None:  # d/dz of a sink logit z: -sum over rows of p_sink * (dO . O)
+    if sinks is not None:  # d/dz of a sink logit z: -sum over rows of p_sink * (dO . O - dlse)
         p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
         p_sink = jnp.where(lse == am.MASK_VALUE, 0.0, p_sink)
         dsinks = -jnp.sum(p_sink * di, axis=(0, 2)).astype(sinks.dtype)

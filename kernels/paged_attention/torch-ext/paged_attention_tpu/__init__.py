@@ -53,6 +53,7 @@ def _validate_quantize(x, scale, dtype):
     if tuple(scale.shape) != (x.shape[1],):
         raise ValueError(f"scale must have shape ({x.shape[1]},) (one per KV head of x [T, Hkv, D]), "
                          f"got {tuple(scale.shape)}")
+    pallas.check_scale_values("scale", scale)
 
 
 ragged_paged_attention = jax_op(add_op_namespace_prefix("ragged_paged_attention"), pallas.ragged_paged_attention,

@@ -141,9 +141,10 @@ FUSED_WRITE_ANY_BATCH_PAGE = {"v5e": 1, "v6e": 128}
 # --------------------------------------------------------------------------- validation
 
 def validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, scale=0.0, window=0,
-             softcap=0.0, block_q=0, block_kv=8192, k_scale=None, v_scale=None):
-    """Raise ValueError/TypeError naming the bad argument; checks values too when they are on the host."""
-    check_array("q", q, dtypes=KV_DTYPES, ndim=3)
+             softcap=0.0, block_q=0, block_kv=8192, k_scale=None, v_scale=None, rows: str = "q"):
+    """Raise ValueError/TypeError naming the bad argument; checks values too when they are on the host. ``rows``:
+    the name of the argument q stands for (the new tokens' rows: ``new_k`` for a write)."""
+    check_array(rows, q, dtypes=KV_DTYPES, ndim=3)
     check_array("k_pages", k_pages, dtypes=CACHE_DTYPES, ndim=4)
     check_array("v_pages", v_pages, dtypes=CACHE_DTYPES, ndim=4)
     check_array("kv_lens", kv_lens, dtypes=INDEX_DTYPES, ndim=1)
@@ -156,21 +157,21 @@ def validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, 
     if dtype_name(k_pages) != dtype_name(v_pages):
         raise TypeError(f"k_pages and v_pages must share a dtype, got {dtype_name(k_pages)} and {dtype_name(v_pages)}")
     if dtype_name(k_pages) not in QUANTIZED_DTYPES and dtype_name(q) != dtype_name(k_pages):
-        raise TypeError(f"q, k_pages and v_pages must share a dtype (or the cache be quantized: "
+        raise TypeError(f"{rows}, k_pages and v_pages must share a dtype (or the cache be quantized: "
                         f"{' or '.join(QUANTIZED_DTYPES)}), got {dtype_name(q)}, {dtype_name(k_pages)}, "
                         f"{dtype_name(v_pages)}")
-    hkv, pack = kv_heads(k_pages, d, "q")
+    hkv, pack = kv_heads(k_pages, d, rows)
     if pack > 1 and dtype_name(k_pages) in QUANTIZED_DTYPES:
         raise ValueError(f"a lane-packed cache (k_pages {tuple(k_pages.shape)}: {pack} heads of {d} a row) cannot be "
                          f"quantized (the scales are per KV head); store it as [P, page, Hkv, {d}]")
     validate_scales(k_pages, k_scale, v_scale)
     if hkv == 0 or hq % hkv:
-        raise ValueError(f"q heads ({hq}) must be a multiple of the KV heads of k_pages ({hkv})")
+        raise ValueError(f"{rows} heads ({hq}) must be a multiple of the KV heads of k_pages ({hkv})")
     if not 1 <= page <= 1024:
         raise ValueError(f"page size (k_pages.shape[1]) must be in [1, 1024], got {page}")
     sub = _sublanes(dtype_name(q))  # pages are merged into rows in q's dtype (the compute dtype)
     if page % sub:
-        raise ValueError(f"page size (k_pages.shape[1]) must be a multiple of {sub} for {dtype_name(q)} queries "
+        raise ValueError(f"page size (k_pages.shape[1]) must be a multiple of {sub} for a {dtype_name(q)} {rows} "
                          f"(TPU sublane tile), got {page}")
     num_seqs, pps = page_indices.shape
     if tuple(kv_lens.shape) != (num_seqs,):
@@ -197,7 +198,7 @@ def validate(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sinks=None, 
             raise ValueError(f"cu_q_lens must be non-decreasing, but cu_q_lens[{bad + 1}]={int(cu[bad + 1])} "
                              f"< cu_q_lens[{bad}]={int(cu[bad])}")
         if cu[-1] > t:
-            raise ValueError(f"cu_q_lens[-1]={int(cu[-1])} exceeds the number of query rows q.shape[0]={t}")
+            raise ValueError(f"cu_q_lens[-1]={int(cu[-1])} exceeds the number of query rows {rows}.shape[0]={t}")
     if lens is not None:
         if np.any(lens < 0):
             raise ValueError(f"kv_lens must be >= 0, got {int(lens.min())} for sequence {int(np.argmin(lens))}")
@@ -267,9 +268,14 @@ def validate_scales(k_pages, k_scale, v_scale):
         if tuple(s.shape) != (k_pages.shape[2],):
             raise ValueError(f"{name} must have shape ({k_pages.shape[2]},) (one scale per KV head of k_pages), "
                              f"got {tuple(s.shape)}")
-        values = host_values(s)
-        if values is not None and not (np.isfinite(values) & (values > 0)).all():
-            raise ValueError(f"{name} must be positive and finite, got {values.tolist()}")
+        check_scale_values(name, s)
+
+
+def check_scale_values(name: str, scale):
+    """A quantized cache's scales must be positive and finite (checked when their values are on the host)."""
+    values = host_values(scale)
+    if values is not None and not (np.isfinite(values) & (values > 0)).all():
+        raise ValueError(f"{name} must be positive and finite, got {values.tolist()}")
 
 
 def quantize(x, scale, dtype):
@@ -1190,8 +1196,9 @@ def validate_write(k_pages, v_pages, new_k, new_v, kv_lens, page_indices, cu_q_l
     if dtype_name(k_pages) not in QUANTIZED_DTYPES and dtype_name(new_k) != dtype_name(k_pages):
         raise TypeError(f"new_k/new_v must have the cache dtype {dtype_name(k_pages)}, "
                         f"got {dtype_name(new_k)}/{dtype_name(new_v)}")
-    # Same metadata rules as attention (q stands in for the new tokens: same rows).
-    validate(new_k, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, k_scale=k_scale, v_scale=v_scale)
+    # Same metadata rules as attention (new_k stands in for q: the new tokens' rows).
+    validate(new_k, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, k_scale=k_scale, v_scale=v_scale,
+             rows="new_k")
     _check_distinct_slots(host_values(kv_lens), host_values(page_indices), host_values(cu_q_lens), new_k.shape[0],
                           *k_pages.shape[:2])
 

@@ -1061,9 +1061,11 @@ def validate(lhs, rhs, group_sizes, rhs_transposed=False, out_dtype="", tile_m=0
                          f"has k = {rk} (shape {tuple(rhs.shape)})")
     if group_sizes.shape[0] != g:
         raise ValueError(f"group_sizes must have one entry per group of rhs ({g}), got {group_sizes.shape[0]}")
-    for name, t, unit in (("tile_m", tile_m, 8), ("tile_n", tile_n, 128)):
+    sub = _sublanes(dtype_name(lhs))  # a row tile is whole sublane tiles of lhs's dtype
+    for name, t, unit in (("tile_m", tile_m, sub), ("tile_n", tile_n, 128)):
         if t < 0 or (t and t % unit):
-            raise ValueError(f"{name} must be 0 (automatic) or a positive multiple of {unit}, got {t}")
+            why = f" (lhs is {dtype_name(lhs)})" if name == "tile_m" else ""
+            raise ValueError(f"{name} must be 0 (automatic) or a positive multiple of {unit}{why}, got {t}")
     sizes = host_values(group_sizes)  # None on device or under jit: the kernel clamps (group_metadata)
     if sizes is not None:
         sizes = sizes.astype(np.int64)
