@@ -144,3 +144,12 @@ def test_quantized_cache_option_errors(load_kernel):
         k.enable_continuous_batching(m, kv_cache_dtype="float8_e4m3fn", kv_scale=0.0)
     with pytest.raises(ValueError, match="kv_cache_dtype needs the model"):
         k.enable_continuous_batching(kv_cache_dtype="float8_e4m3fn")
+
+
+def test_continuous_batching_refuses_a_zero_scaling(load_kernel):
+    """scaling=0.0 is refused before anything runs: the op would read its scale of 0 as head_dim ** -0.5."""
+    k = load_kernel("paged_attention")
+    q = torch.zeros(1, 2, 3, 64)
+    with pytest.raises(ValueError, match=r"scaling=0.0 .* not supported"):
+        k.paged_attention_forward(None, q, q, q, None, scaling=0.0, cu_seq_lens_q=torch.tensor([0, 3]),
+                                  cu_seq_lens_k=torch.tensor([0, 3]))

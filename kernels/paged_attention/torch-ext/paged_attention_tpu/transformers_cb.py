@@ -66,6 +66,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if dropout:
         raise ValueError(f"{CB_NAME} is an inference kernel: dropout must be 0, got {dropout}")
+    if scaling == 0:  # refused, not silently replaced: the op reads scale 0.0 as its default
+        raise ValueError(f"{CB_NAME}: scaling=0.0 (every key weighted alike) is not supported: the kernel op reads a "
+                         "scale of 0 as head_dim ** -0.5; pass scaling=None for that default")
     cu_q = kwargs["cu_seq_lens_q"].to(torch.int32)
     cu_k = kwargs["cu_seq_lens_k"].to(torch.int32)
     kv_lens = cu_k[1:] - cu_k[:-1]
