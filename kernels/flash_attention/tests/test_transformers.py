@@ -185,26 +185,35 @@ def test_tiny_model_matches_eager(fa, family):
     assert torch.equal(ga, gb)
 
 
-def test_torch_autograd_with_sinks_window_softcap(fa):
-    """Gradients of the torch op (q, k, v and the sinks, GPT-OSS's learnable s_aux) against torch
-    autograd of an explicit softmax with the sink column."""
-    torch.manual_seed(3)
-    b, hq, hkv, s, d = 2, 4, 2, 21, 64
-    q = torch.randn(b, hq, s, d, requires_grad=True)
-    k = torch.randn(b, hkv, s, d, requires_grad=True)
-    v = torch.randn(b, hkv, s, d, requires_grad=True)
-    sinks = torch.randn(hq, requires_grad=True)
-    w = torch.randn(b, s, hq, d)
-    out, _ = fa.attention_forward(_Module(hq, hkv), q, k, v, None, scaling=0.15, sliding_window=6, softcap=4.0,
-                                  s_aux=sinks)
-    got = torch.autograd.grad((out * w).sum(), (q, k, v, sinks))
-    kk, vv = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-    logits = 4.0 * torch.tanh(q @ kk.transpose(-1, -2) * 0.15 / 4.0)
+def _sinks_case(seed, b=2, hq=4, hkv=2, s=21, d=64):
+    """q, k, v and sinks (GPT-OSS's learnable s_aux), all requiring grad."""
+    torch.manual_seed(seed)
+    return (torch.randn(b, hq, s, d, requires_grad=True), torch.randn(b, hkv, s, d, requires_grad=True),
+            torch.randn(b, hkv, s, d, requires_grad=True), torch.randn(hq, requires_grad=True))
+
+
+def _sinks_reference(q, k, v, sinks, *, scale, window, softcap):
+    """(out [B, Hq, S, D], lse [B, Hq, S]) of an explicit causal softmax with the sink column, in torch."""
+    b, hq, s, _ = q.shape
+    kk, vv = (x.repeat_interleave(hq // k.shape[1], 1) for x in (k, v))
+    logits = softcap * torch.tanh(q @ kk.transpose(-1, -2) * scale / softcap)
     i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
-    logits = logits.masked_fill(~((j <= i) & (j > i - 6)), -torch.inf)
+    logits = logits.masked_fill(~((j <= i) & (j > i - window)), -torch.inf)
     logits = torch.cat([logits, sinks.view(1, hq, 1, 1).expand(b, hq, s, 1)], -1)
-    ref = (torch.softmax(logits, -1)[..., :s] @ vv).transpose(1, 2)
-    want = torch.autograd.grad((ref * w).sum(), (q, k, v, sinks))
+    return torch.softmax(logits, -1)[..., :s] @ vv, torch.logsumexp(logits, -1)
+
+
+def test_torch_autograd_with_sinks_window_softcap(fa):
+    """Gradients of the torch op (q, k, v and the sinks) against torch autograd of an explicit softmax with
+    the sink column."""
+    q, k, v, sinks = _sinks_case(3)
+    b, hq, s, d = q.shape
+    w = torch.randn(b, s, hq, d)
+    out, _ = fa.attention_forward(_Module(hq, k.shape[1]), q, k, v, None, scaling=0.15, sliding_window=6,
+                                  softcap=4.0, s_aux=sinks)
+    got = torch.autograd.grad((out * w).sum(), (q, k, v, sinks))
+    ref, _ = _sinks_reference(q, k, v, sinks, scale=0.15, window=6, softcap=4.0)
+    want = torch.autograd.grad((ref.transpose(1, 2) * w).sum(), (q, k, v, sinks))
     for name, a, r in zip(("dq", "dk", "dv", "dsinks"), got, want):
         torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4, msg=name)
 
@@ -213,21 +222,12 @@ def test_torch_autograd_through_the_log_sum_exp(fa):
     """A loss on the op's log-sum-exp as well as its output: the lse's gradient reaches q, k and the sinks
     (d lse / d logits = p), against torch autograd of torch.logsumexp over the same logits with the sink column.
     With no key (Sk = 0) a row's lse is its sink logit, so the sinks take the lse's gradient whole."""
-    torch.manual_seed(4)
-    b, hq, hkv, s, d = 2, 4, 2, 21, 64
-    q = torch.randn(b, hq, s, d, requires_grad=True)
-    k = torch.randn(b, hkv, s, d, requires_grad=True)
-    v = torch.randn(b, hkv, s, d, requires_grad=True)
-    sinks = torch.randn(hq, requires_grad=True)
+    q, k, v, sinks = _sinks_case(4)
+    b, hq, s, d = q.shape
     w, u = torch.randn(b, hq, s, d), torch.randn(b, hq, s)
     out, lse = fa.attention(q, k, v, sinks, scale=0.15, window=6, softcap=4.0)
     got = torch.autograd.grad((out * w).sum() + (lse * u).sum(), (q, k, v, sinks))
-    kk, vv = k.repeat_interleave(hq // hkv, 1), v.repeat_interleave(hq // hkv, 1)
-    logits = 4.0 * torch.tanh(q @ kk.transpose(-1, -2) * 0.15 / 4.0)
-    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
-    logits = logits.masked_fill(~((j <= i) & (j > i - 6)), -torch.inf)
-    logits = torch.cat([logits, sinks.view(1, hq, 1, 1).expand(b, hq, s, 1)], -1)
-    ref, ref_lse = torch.softmax(logits, -1)[..., :s] @ vv, torch.logsumexp(logits, -1)
+    ref, ref_lse = _sinks_reference(q, k, v, sinks, scale=0.15, window=6, softcap=4.0)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
     want = torch.autograd.grad((ref * w).sum() + (ref_lse * u).sum(), (q, k, v, sinks))
     for name, a, r in zip(("dq", "dk", "dv", "dsinks"), got, want):
