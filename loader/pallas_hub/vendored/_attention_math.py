@@ -30,6 +30,18 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
     return float(scale) if scale else float(head_dim) ** -0.5
 
 
+def transformers_scale(scaling: float | None, head_dim: int, who: str) -> float:
+    """A transformers attention function's ``scaling`` (None = head_dim**-0.5) as the ops take it.
+
+    0 is refused, not passed on: the ops read a scale of 0 as their default (``resolve_scale``), so
+    ``scaling=0.0`` (every key weighted alike) would silently become head_dim**-0.5.
+    """
+    if scaling == 0:
+        raise ValueError(f"{who}: scaling=0.0 (every key weighted alike) is not supported: the kernel op reads a "
+                         "scale of 0 as head_dim ** -0.5; pass scaling=None for that default")
+    return resolve_scale(scaling, head_dim)
+
+
 def allowed(q_pos, k_pos, *, causal: bool, window: int | None):
     """Which (query, key) position pairs may attend; q_pos [..., q, 1], k_pos [..., 1, k] broadcast."""
     ok = jnp.ones(jnp.broadcast_shapes(q_pos.shape, k_pos.shape), dtype=jnp.bool_)

@@ -160,10 +160,8 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
         causal = getattr(module, "is_causal", True)
     if window is not None and window <= 0:
         raise ValueError(f"sliding_window must be a positive number of tokens, got {window}")
-    if scaling == 0:  # refused, not silently replaced: the op reads scale 0.0 as its default
-        raise ValueError("scaling=0.0 (every key weighted alike) is not supported: the kernel op reads a scale of 0 "
-                         "as head_dim ** -0.5; pass scaling=None for that default")
     b, hq, sq, d = query.shape
+    scale = attention_math.transformers_scale(scaling, d, "pallas_attention")
     sk = key.shape[2]
     mask = None
     if attention_mask is not None:
@@ -175,7 +173,6 @@ def attention_forward(module, query, key, value, attention_mask, scaling=None, d
             raise ValueError(f"attention_mask must have shape {(b, 1, sq, sk)} (batch, 1, q_len, kv_len), "
                              f"got {tuple(attention_mask.shape)}")
         mask = attention_mask[:, 0].contiguous()
-    scale = float(d ** -0.5 if scaling is None else scaling)
     out, _ = attention(query.contiguous(), key.contiguous(), value.contiguous(), sinks, None, mask, scale,
                        bool(causal), int(window or 0), float(softcap or 0.0), 0, 0, True)
     return out.transpose(1, 2), None

@@ -19,6 +19,7 @@ from unittest import mock
 
 import torch
 
+from . import _attention_math as am
 from .pallas import lane_packed_shape
 
 CB_NAME = "paged_flash_tpu"  # CB accepts only built-in names or names containing "flash" (no 2/3 in it)
@@ -66,14 +67,11 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if dropout:
         raise ValueError(f"{CB_NAME} is an inference kernel: dropout must be 0, got {dropout}")
-    if scaling == 0:  # refused, not silently replaced: the op reads scale 0.0 as its default
-        raise ValueError(f"{CB_NAME}: scaling=0.0 (every key weighted alike) is not supported: the kernel op reads a "
-                         "scale of 0 as head_dim ** -0.5; pass scaling=None for that default")
+    scale = am.transformers_scale(scaling, query.shape[-1], CB_NAME)
     cu_q = kwargs["cu_seq_lens_q"].to(torch.int32)
     cu_k = kwargs["cu_seq_lens_k"].to(torch.int32)
     kv_lens = cu_k[1:] - cu_k[:-1]
     q = query[0].transpose(0, 1).contiguous()  # (Tq, Hq, D)
-    scale = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
     window = int(kwargs.get("sliding_window") or 0)
     softcap = float(kwargs.get("softcap") or 0.0)
     sinks = kwargs.get("s_aux")
