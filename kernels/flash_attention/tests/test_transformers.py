@@ -192,13 +192,18 @@ def _sinks_case(seed, b=2, hq=4, hkv=2, s=21, d=64):
             torch.randn(b, hkv, s, d, requires_grad=True), torch.randn(hq, requires_grad=True))
 
 
-def _sinks_reference(q, k, v, sinks, *, scale, window, softcap):
-    """(out [B, Hq, S, D], lse [B, Hq, S]) of an explicit causal softmax with the sink column, in torch."""
+def _sinks_reference(q, k, v, sinks, *, scale, window, softcap, seq=None):
+    """(out [B, Hq, S, D], lse [B, Hq, S]) of an explicit causal softmax with the sink column, in torch.
+    ``seq`` [B, 3] = (kv_start, kv_end, q_len): query row i sits at position kv_end - q_len + i and rows from
+    q_len on see no key (their lse is the sink logit), as the op's doc says."""
     b, hq, s, _ = q.shape
     kk, vv = (x.repeat_interleave(hq // k.shape[1], 1) for x in (k, v))
     logits = softcap * torch.tanh(q @ kk.transpose(-1, -2) * scale / softcap)
+    kv_start, kv_end, q_len = (torch.tensor([0, s, s]) if seq is None else seq.long()).reshape(-1, 3, 1, 1).unbind(1)
     i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
-    logits = logits.masked_fill(~((j <= i) & (j > i - window)), -torch.inf)
+    pos = kv_end - q_len + i
+    seen = (j <= pos) & (j > pos - window) & (j >= kv_start) & (j < kv_end) & (i < q_len)  # [B or 1, S, S]
+    logits = logits.masked_fill(~seen[:, None], -torch.inf)
     logits = torch.cat([logits, sinks.view(1, hq, 1, 1).expand(b, hq, s, 1)], -1)
     return torch.softmax(logits, -1)[..., :s] @ vv, torch.logsumexp(logits, -1)
 
@@ -236,3 +241,29 @@ def test_torch_autograd_through_the_log_sum_exp(fa):
     torch.testing.assert_close(lse, sinks.detach().view(1, hq, 1).expand(b, hq, s))
     (dsinks,) = torch.autograd.grad((lse * u).sum(), (sinks,))
     torch.testing.assert_close(dsinks, u.sum(dim=(0, 2)))
+
+
+def test_torch_autograd_through_the_log_sum_exp_with_padding(fa):
+    """As above with per-sequence padding (``seq``): left-padded keys, padded query rows (q_len < S) and rows
+    whose window falls wholly in the left padding. Rows that see no key give 0 and, with sinks, their sink
+    logit as lse, so their lse's gradient goes to the sinks whole; without sinks their lse is MASK_VALUE, a
+    constant, whose gradient reaches nothing."""
+    q, k, v, sinks = _sinks_case(5)
+    b, hq, s, d = q.shape
+    seq = torch.tensor([[10, 21, 15], [0, 17, 12]], dtype=torch.int32)  # sequence 0's rows 0-3 see no key
+    w, u = torch.randn(b, hq, s, d), torch.randn(b, hq, s)
+    out, lse = fa.attention(q, k, v, sinks, seq, scale=0.15, window=6, softcap=4.0)
+    ref, ref_lse = _sinks_reference(q, k, v, sinks, scale=0.15, window=6, softcap=4.0, seq=seq)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+    got = torch.autograd.grad((out * w).sum() + (lse * u).sum(), (q, k, v, sinks))
+    want = torch.autograd.grad((ref * w).sum() + (ref_lse * u).sum(), (q, k, v, sinks))
+    for name, a, r in zip(("dq", "dk", "dv", "dsinks"), got, want):
+        torch.testing.assert_close(a, r, atol=1e-4, rtol=1e-4, msg=name)
+    empty = torch.zeros(b, s, dtype=torch.bool)
+    empty[0, :4] = empty[0, 15:] = empty[1, 12:] = True
+    _, lse = fa.attention(q, k, v, None, seq, scale=0.15, window=6, softcap=4.0)
+    rows = empty[:, None, :].expand(b, hq, s)
+    assert bool((lse[rows] == fa.attention_math.MASK_VALUE).all()) and bool((lse[~rows] > -1e3).all())
+    grads = torch.autograd.grad((lse * u * rows).sum(), (q, k, v))
+    assert all(bool((g == 0).all()) for g in grads)
