@@ -220,3 +220,40 @@ def test_a_long_context_decode_problem_gives_every_sequence_its_length():
     again = problems.rebuild(long.recipe)
     assert again.name == long.name and problems.signature(again) == problems.signature(long)
     assert problems.rebuild(short.recipe).recipe == short.recipe
+
+
+def test_the_training_step_differentiates_every_prefill_and_checks_each_gradient():
+    """The training family races each prefill implementation under one transform (jax.vjp of its forward):
+    its check compares out, dq, dk and dv each against plain JAX, so a wrong gradient fails it; a prefill
+    with no backward gets a row that says why; the problem's least work is the forward's and 3x its flops."""
+    train = problems.train_problem(TINY, 256)
+    prefill = problems.prefill_problem(TINY, 256)
+    assert train.family == "train" and train.min_flops == 3 * prefill.min_flops
+    assert train.min_bytes == 2 * (4 * 8 + 4 * 1) * 256 * 128  # q, k, v, do read; out, dq, dk, dv written
+    assert problems.signature(problems.rebuild(train.recipe)) == problems.signature(train)
+    impls = {i.name: i for i in bench.implementations(("train",), progress=lambda *_: None) if i.kind == "anchor"}
+    assert all(i.family == "train" for i in impls.values())
+    assert impls["vLLM TPU flash_attention"].fn is None
+    assert impls["vLLM TPU flash_attention"].missing.startswith("no backward: tpu-inference's flash_attention")
+    splash = impls["jax splash_attention (MaxText blocks)"]
+    check = bench._run_check(splash, train)
+    assert check["ok"] and check["rel_err"] < 1e-2, check
+    cost = bench._count(splash, train, "v6e", {})
+    assert [c.name for c in cost.calls] == ["splash_mqa_fwd_residuals", "splash_mqa_dkv_no_residuals",
+                                            "splash_mqa_dq_no_residuals"]
+
+    def reference(q, k, v):
+        return problems.attention_reference(q, k, v, 1 / 128 ** 0.5)
+
+    @jax.custom_vjp
+    def wrong_dq(q, k, v):  # the reference, whose backward drops dq
+        return reference(q, k, v).astype(q.dtype)
+
+    def backward(vjp, do):
+        dq, dk, dv = vjp(do.astype(jnp.float32))
+        return jnp.zeros_like(dq), dk, dv
+
+    wrong_dq.defvjp(lambda q, k, v: (wrong_dq(q, k, v), jax.vjp(reference, q, k, v)[1]), backward)
+    bad = bench.training_step(bench.Impl("wrong dq", "anchor", "prefill", lambda q, k, v, **_: wrong_dq(q, k, v)))
+    check = bench._run_check(bad, train)
+    assert not check["ok"] and check["rel_err"] > 0.5, check

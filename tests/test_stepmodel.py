@@ -130,3 +130,28 @@ def test_glue_ops_and_call_matching():
                        {"name": "fusion", "kernel": False, "hbm_bytes": 8, "program": None}]}
     assert [op["name"] for _, op in stepmodel.match_calls([a, b], profile)] == ["k.2", "write_kv.1"]
     assert [op["name"] for op in stepmodel.glue_ops(profile)] == ["fusion"]
+    # a custom VJP's backward kernels carry JAX's transform prefixes, and XLA may order independent kernels
+    # either way: matched by name, not by position (by position, dq took dK/dV's schedule at 8192 tokens)
+    dq, dkv = (CallCost(n, (1,), (), 0, 0, 0, 0, 0, None, (), (_step(1),), (0,)) for n in ("fa_dq", "fa_dkv"))
+    profile = {"ops": [{"name": "transpose_jvp_fa_dkv__.1", "kernel": True},
+                       {"name": "transpose_jvp_fa_dq__.1", "kernel": True}, {"name": "other.3", "kernel": True}]}
+    assert stepmodel.kernel_name("transpose_jvp_fa_dq__.1") == "fa_dq__"
+    assert [op["name"] for _, op in stepmodel.match_calls([a, dq, dkv], profile)] == [
+        "other.3", "transpose_jvp_fa_dq__.1", "transpose_jvp_fa_dkv__.1"]  # the unnamed call takes what is left
+
+
+def test_a_kernel_whose_grid_has_no_compiled_loop_gives_no_figure(monkeypatch):
+    """Were no compiled loop to match the grid, each step would be timed as the whole kernel (at 8192 tokens
+    a backward's dq came out at 395 ms): the row is an error that says so, not a figure."""
+    from types import SimpleNamespace
+
+    from pallas_hub.bench import runner
+    from pallas_hub.bench.costmodel import Cost
+
+    call = _call([_step(10, flops=(0,))])
+    assert stepmodel.call_time(call, _program([_loop(12, own=300)]), "v6e").grid_joined
+    prog = _program([_loop(30, own=300)])
+    assert not stepmodel.call_time(call, prog, "v6e").grid_joined
+    monkeypatch.setattr(runner.compiled, "ops", lambda profile: [{"name": "k.1", "kernel": True, "program": prog}])
+    res = runner.assemble(SimpleNamespace(min_bytes=1, min_flops=1), "v6e", Cost((call,)), {"hlo": ""})
+    assert res["status"] == "error" and res["error"] == "kernel k: no compiled loop matches its grid"

@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_list)
     p = command("bench", help="ours against the anchors as whole layers on real model shapes (TPU cost model), "
                 "checks, bridge overhead; a subset run writes benchmarks/results/partial/ only")
-    p.add_argument("--families", help="comma-separated subset of moe,prefill,decode")
+    p.add_argument("--families", help="comma-separated subset of moe,prefill,decode,train")
     p.add_argument("--chips", help="comma-separated subset of v5e,v6e,tpu7x")
     p.add_argument("--workers", type=int, default=1, help="programs compiled at a time, each in its own process (default 1)")
     p.add_argument("--no-bridge", action="store_true", help="skip the bridge overhead measurement")

@@ -294,21 +294,28 @@ def vllm_flash_attention(q, k, v, *, scale):
     return vllm_tpu.flash_attention().flash_attention(q, k, v, causal=True, sm_scale=scale)
 
 
+# MaxText's splash block sizes (its base.yml: sa_block_* all 512, sa_use_fused_bwd_kernel False), what a
+# JAX user training on TPU runs; splash's own default is 128 everywhere.
+MAXTEXT_SPLASH_BLOCK = 512
+
+
 @functools.lru_cache(maxsize=8)
-def _splash_kernel(group: int, seq: int):
+def _splash_kernel(group: int, seq: int, block: int | None):
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
 
     mask = sm.MultiHeadMask([sm.CausalMask((seq, seq))] * group)
+    sizes = None if block is None else sk.BlockSizes(*[min(block, seq)] * 8)  # q, kv, kv compute; dkv x3; dq x2
     with jax.ensure_compile_time_eval():  # its mask tables are cached: they must not be tracers
-        return sk.make_splash_mqa_single_device(mask)
+        return sk.make_splash_mqa_single_device(mask, block_sizes=sizes)
 
 
-def splash_attention(q, k, v, *, scale):
-    """Splash in its GQA form: one MQA kernel per K/V head over that head's query group."""
+def splash_attention(q, k, v, *, scale, block=None):
+    """Splash in its GQA form: one MQA kernel per K/V head over that head's query group; ``block`` for every
+    block size (None: splash's defaults)."""
     b, hq, s, d = q.shape
     hkv = k.shape[1]
-    kernel = _splash_kernel(hq // hkv, s)
+    kernel = _splash_kernel(hq // hkv, s, block)
     qg = (q * scale).reshape(b, hkv, hq // hkv, s, d)  # splash takes no softmax scale
     out = jax.vmap(jax.vmap(kernel))(qg, k, v)
     return out.reshape(b, hq, s, d)

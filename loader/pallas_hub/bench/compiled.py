@@ -231,15 +231,15 @@ def _compile_one(job: dict, dump: Path) -> dict:
     device = tpu_devices(get_chip(job["chip"]).topology)[0]
     if job["impl"].startswith("validate:"):
         fn, args, donate = validate.compile_target(job["problem"], device)
-        context = contextlib.nullcontext()
+        context = contextlib.nullcontext
     else:
-        fn, args, donate = runner.compile_target(job["impl"], job["problem"], job["chip"], dict(job["options"]), device)
-        context = runner.tracing(job["impl"], job["chip"])
+        fn, args, donate, context = runner.compile_target(job["impl"], job["problem"], job["chip"], dict(job["options"]),
+                                                          device)
     for f in dump.rglob("*"):
         if f.is_file():
             f.unlink()
     start = time.perf_counter()
-    with context:
+    with context():
         compiled = jax.jit(fn, donate_argnums=donate).trace(*args).lower(lowering_platforms=("tpu",)).compile()
     seconds = time.perf_counter() - start
     ca = compiled.cost_analysis() or {}

@@ -13,7 +13,8 @@ from pathlib import Path
 from ..vendored._chips import chip as get_chip
 
 HEADLINE = "layer_s_0.35us"
-FAMILIES = (("moe", "MoE experts layer"), ("prefill", "causal prefill"), ("decode", "decode step"))
+FAMILIES = (("moe", "MoE experts layer"), ("prefill", "causal prefill"), ("decode", "decode step"),
+            ("train", "causal attention training step"))
 
 
 def _pyplot():

@@ -1,6 +1,6 @@
 """The benchmark's problems: whole layers at real model shapes, with a reduced case to check numerics.
 
-Three layers (DESIGN.md "Shapes that matter"):
+Three layers (DESIGN.md "Shapes that matter") and a training step:
 
 * ``moe``: one MoE experts layer given the router's top-k (hidden [T, H], top-k ids and weights,
   gate_up [E, 2I, H], down [E, H, I] in transformers' (Qwen3's) layout, and the router logits [T, E] for
@@ -9,6 +9,8 @@ Three layers (DESIGN.md "Shapes that matter"):
   weights in its own layout (``prepare``, outside cost and timing); ``params["storage"]`` says how
   transformers stores the model's (``EXPERTS_STORAGE``: GPT-OSS [E, H, 2I] interleaved).
 * ``prefill``: causal self-attention, q [1, Hq, S, D], k/v [1, Hkv, S, D] -> [1, Hq, S, D].
+* ``train``: the causal prefill's training step: its output and, from the output's gradient do [1, Hq, S, D],
+  dq, dk, dv (every prefill implementation differentiated by JAX, ``runner.training_step``).
 * ``decode``: one decode step of a continuous batch: write each sequence's new K/V into the paged
   cache (in place), then attend over its context (the new token included). Context lengths are
   seeded uniform in ``DECODE_CONTEXT``, or all one given length (the long-context rows); pages of
@@ -116,7 +118,7 @@ class Check:
 
 @dataclasses.dataclass
 class Problem:
-    family: str  # "moe" | "prefill" | "decode"
+    family: str  # "moe" | "prefill" | "decode" | "train"
     model: str
     name: str
     params: dict
@@ -300,6 +302,30 @@ def prefill_problem(m: Model, tokens: int) -> Problem:
         recipe=("prefill", dataclasses.asdict(m), tokens))
 
 
+# --------------------------------------------------------------------------- training step
+
+def _train_check(m: Model) -> Check:
+    c = _prefill_check(m)
+    q, k, v = c.args
+    do = jnp.asarray(np.random.default_rng(3).standard_normal(q.shape), BF16)
+    out, vjp = jax.vjp(functools.partial(attention_reference, scale=c.kwargs["scale"]), q, k, v)
+    return Check((q, k, v, do), c.kwargs, (out,) + vjp(do.astype(jnp.float32)), c.shape + ", with dq, dk, dv", 2e-2)
+
+
+def train_problem(m: Model, tokens: int) -> Problem:
+    """The causal prefill's training step: its output and, from the output's gradient ``do``, dq, dk, dv (each
+    implementation's prefill differentiated: ``runner.training_step``). The least it must move: q, k, v and do
+    read, out, dq, dk, dv written; the least it must compute: the forward's two matmuls and the backward's
+    four (dV = P^T dO, dP = dO V^T, dQ = dS K, dK = dS^T Q), 3x the forward (recomputing P adds one more)."""
+    pre = prefill_problem(m, tokens)
+    hq, hkv, d = m.q_heads, m.kv_heads, m.head_dim
+    return dataclasses.replace(
+        pre, family="train", name=f"{m.short} causal training S={tokens}", args=pre.args + (pre.args[0],),
+        min_bytes=2 * (4 * hq + 4 * hkv) * tokens * d, min_flops=3 * pre.min_flops,
+        check=functools.partial(_train_check, m), check_key=("train", hq // hkv, d),
+        recipe=("train", dataclasses.asdict(m), tokens))
+
+
 # --------------------------------------------------------------------------- decode
 
 def paged_table(lengths: np.ndarray, page: int, seed: int, multiple: int = 1):
@@ -451,7 +477,7 @@ def mixed_problem(m: Model, decode: int, chunks: int, chunk: int, page: int) -> 
         recipe=("mixed", dataclasses.asdict(m), decode, chunks, chunk, page))
 
 
-def problems(models=MODELS, families=("moe", "prefill", "decode")) -> list[Problem]:
+def problems(models=MODELS, families=("moe", "prefill", "decode", "train")) -> list[Problem]:
     out = []
     for m in models:
         if "moe" in families:
@@ -462,10 +488,13 @@ def problems(models=MODELS, families=("moe", "prefill", "decode")) -> list[Probl
             out += [decode_problem(m, b, p, context=c[0] if c else None) for b, p, *c in m.decode]
             out += [decode_problem(m, b, p, f) for f, b, p in m.quantized_decode]
             out += [mixed_problem(m, *spec) for spec in MIXED.get(m.name, ())]
+        if "train" in families:
+            out += [train_problem(m, t) for t in m.prefill_tokens]
     return out
 
 
-_BUILDERS = {"moe": moe_problem, "prefill": prefill_problem, "decode": decode_problem, "mixed": mixed_problem}
+_BUILDERS = {"moe": moe_problem, "prefill": prefill_problem, "decode": decode_problem, "mixed": mixed_problem,
+             "train": train_problem}
 
 
 def rebuild(recipe) -> Problem:

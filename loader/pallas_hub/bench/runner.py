@@ -1,7 +1,8 @@
 """pallas-hub bench: our kernels against the anchors as whole layers on real model shapes (TPU cost model).
 
 For every problem (``bench.problems``) and implementation (ours from the manifest, the anchors of
-``bench.anchors``), on v5e, v6e and TPU7x:
+``bench.anchors``; the training step races every prefill implementation differentiated, ``training_step``),
+on v5e, v6e and TPU7x:
 
 1. counts: ``costmodel.estimate`` follows the layer's kernels on the problem's real routing,
    lengths and page tables (per grid step: blocks moved, DMAs, dots executed, loop iterations);
@@ -45,7 +46,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
-FAMILIES = ("moe", "prefill", "decode")
+FAMILIES = ("moe", "prefill", "decode", "train")
+DIFFERENTIATED = {"train": "prefill"}  # a family raced by another's implementations, differentiated (training_step)
 BENCH_FILES = ("anchors.py", "compiled.py", "costmodel.py", "llo.py", "problems.py", "runner.py",
                "stepmodel.py", "validate.py", "vllm_tpu.py")
 
@@ -71,6 +73,7 @@ class Impl:
     formats: tuple = ("bf16",)  # the problems' storage formats it takes (problems.QUANT_FORMATS)
     digest: str = ""  # its sources, for the compile cache and the staleness check
     note: str = ""
+    no_backward: str = ""  # why a prefill cannot be differentiated (its training-step row says so)
 
     def call(self, kwargs: dict, chip: str, options: dict | None = None, **extra) -> Callable:
         return functools.partial(self.fn, chip=chip, **kwargs, **(options or {}), **extra)
@@ -84,6 +87,20 @@ class Impl:
         if self.context is not None:
             stack.enter_context(self.context(chip))
         return stack
+
+
+def training_step(impl: Impl) -> Impl:
+    """``impl`` (a prefill) as a training step: fn(q, k, v, do) -> (out, dq, dk, dv), the same transform (JAX's
+    vjp of its forward) for ours and every anchor, so each runs the backward its library defines."""
+    fn = impl.fn
+
+    def train(q, k, v, do, **kwargs):
+        out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, **kwargs), q, k, v)
+        return (out,) + vjp(do)
+
+    if impl.no_backward:
+        return dataclasses.replace(impl, family="train", fn=None, missing=f"no backward: {impl.no_backward}")
+    return dataclasses.replace(impl, family="train", fn=None if fn is None else train)
 
 
 def _map(x, fn_array, fn_shape):
@@ -240,8 +257,14 @@ def anchor_impls(families) -> list[Impl]:
                  note="default blocks; K/V heads repeated (no GQA)"),
             Impl("jax splash_attention", "anchor", "prefill", _anchor_fn(anchors.splash_attention), per_chip=False,
                  note="default blocks; one MQA kernel per K/V head"),
+            Impl("jax splash_attention (MaxText blocks)", "anchor", "prefill",
+                 _anchor_fn(functools.partial(anchors.splash_attention, block=anchors.MAXTEXT_SPLASH_BLOCK)),
+                 per_chip=False, note=f"every block {anchors.MAXTEXT_SPLASH_BLOCK} (MaxText's defaults), separate dq "
+                                      "and dK/dV kernels; one MQA kernel per K/V head"),
             Impl("vLLM TPU flash_attention", "anchor", "prefill", _anchor_fn(anchors.vllm_flash_attention),
-                 context=vllm_tpu.chip, note="its tuned parameters; K/V heads repeated (no GQA)"),
+                 context=vllm_tpu.chip, note="its tuned parameters; K/V heads repeated (no GQA)",
+                 no_backward="tpu-inference's flash_attention is an inference kernel (no custom VJP: JAX cannot "
+                             "differentiate its pallas_call)"),
         ]
     if "decode" in families:
         out += [
@@ -337,8 +360,9 @@ def implementations(families=FAMILIES, paths=(), progress=print, built: dict | N
     from ..hub.declarations import bench_declaration
 
     impls = []
+    wanted = set(families) | {DIFFERENTIATED[f] for f in families if f in DIFFERENTIATED}
     for key, (spec, family) in raced_kernels(paths).items():
-        if family not in families:
+        if family not in wanted:
             continue
         name = f"ours: {key}"
         try:
@@ -354,40 +378,37 @@ def implementations(families=FAMILIES, paths=(), progress=print, built: dict | N
             impls.append(Impl(name, "ours", family, None, f"could not load: {verify.first_line(e)}"))
             progress(f"  {name}: {impls[-1].missing}")
     try:
-        impls += anchor_impls(families)
+        impls += anchor_impls(wanted)
     except Exception as e:  # e.g. tpu-inference missing: its rows say so
         progress(f"  anchors: {verify.first_line(e)}")
         raise
-    return impls
+    impls += [training_step(i) for f, base in DIFFERENTIATED.items() if f in families for i in impls if i.family == base]
+    return [i for i in impls if i.family in families]
 
 
 @functools.lru_cache(maxsize=1)
-def _worker_impls() -> dict[str, Impl]:
+def _worker_impls() -> dict[tuple[str, str], Impl]:
     built = json.loads(os.environ.get("PALLAS_HUB_BENCH_BUILT", "{}"))
-    return {i.name: i for i in implementations(FAMILIES, progress=lambda *_: None, built=built)}
+    return {(i.family, i.name): i for i in implementations(FAMILIES, progress=lambda *_: None, built=built)}
 
 
 def compile_target(impl_name: str, recipe, chip: str, options: dict, device):
-    """(fn, args placed on ``device``, donated argnums) of one benchmarked program, for the compile worker."""
-    impl = _worker_impls()[impl_name]
+    """(fn, args placed on ``device``, donated argnums, () -> the context to trace it in) of one benchmarked
+    program, for the compile worker."""
     problem = rebuild(recipe)
+    impl = _worker_impls()[problem.family, impl_name]
     sh = jax.sharding.SingleDeviceSharding(device)
     with impl.tracing(chip):
         args = impl.args(problem.args, problem.params)
     placed = tuple(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a in args)
     extra = {"device": device} if impl.needs_device else {}
-    return impl.call(problem.kwargs, chip, _options(options), **extra), placed, impl.donate
+    return (impl.call(problem.kwargs, chip, _options(options), **extra), placed, impl.donate,
+            functools.partial(impl.tracing, chip))
 
 
 def _options(options: dict) -> dict:
     return {k: tuple(tuple(x) if isinstance(x, list) else x for x in v) if isinstance(v, list) else v
             for k, v in options.items()}
-
-
-@contextlib.contextmanager
-def tracing(impl_name: str, chip: str):
-    with _worker_impls()[impl_name].tracing(chip):
-        yield
 
 
 # --------------------------------------------------------------------------- one row
@@ -444,10 +465,11 @@ def _run_check(impl: Impl, problem: Problem) -> dict:
             with verify.interpret("fast"), impl.tracing("v6e"):
                 out = jax.jit(functools.partial(impl.fn, chip="v6e", **kwargs))(*args)
             kind = "interpret"
-        out = out[0] if isinstance(out, tuple) else out
-        out = np.asarray(jnp.asarray(out, jnp.float32))
-        ref = np.asarray(c.reference, np.float32)
-        err = float(np.max(np.abs(out - ref)) / max(float(np.max(np.abs(ref))), 1e-30))
+        # a tuple reference (a training step's out, dq, dk, dv) checks each output; else the first output
+        refs = c.reference if isinstance(c.reference, tuple) else (c.reference,)
+        outs = out[:len(refs)] if isinstance(out, tuple) else (out,)
+        err = max(float(np.max(np.abs(np.asarray(jnp.asarray(o, jnp.float32)) - np.asarray(r, np.float32)))
+                        / max(float(np.max(np.abs(np.asarray(r, np.float32)))), 1e-30)) for o, r in zip(outs, refs))
         return {"ok": bool(np.isfinite(err) and err <= c.tol), "rel_err": err, "tol": c.tol, "shape": c.shape,
                 "kind": kind, "seconds": time.perf_counter() - start}
     except Exception as e:
@@ -495,6 +517,10 @@ def assemble(problem: Problem, chip: str, cost, profile: dict | None) -> dict:
         calls.append(_call_summary(call, ct, chip))
     if any(t is None for t in times):
         res.update(status="error", error="a kernel of the program has no compiled schedule", calls=calls)
+        return res
+    unjoined = [t.name for t in times if not t.grid_joined]
+    if unjoined:  # never a figure the model could not ground
+        res.update(status="error", error=f"kernel {unjoined[0]}: no compiled loop matches its grid", calls=calls)
         return res
     glue = stepmodel.glue_ops(profile)
     extra_kernels = len(stepmodel.kernel_ops(profile)) - len(pairs)

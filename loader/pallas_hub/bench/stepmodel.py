@@ -33,7 +33,6 @@ made) is counted inside its parent, times its trips. The match is reported per c
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from ..vendored._chips import chip as get_chip
 from .costmodel import CallCost
@@ -128,6 +127,9 @@ def _observed_trips(call: CallCost, i: int) -> int | None:
     return ratios.pop() if len(ratios) == 1 else None
 
 
+GRID_UNJOINED = "no compiled loop of"  # a join note: the grid's steps could not be found in the schedule
+
+
 def join(call: CallCost, program: dict) -> Join:
     """Match a call's loop levels (costmodel) to its compiled loops (llo)."""
     steps = sum(t.count for t in call.step_types)
@@ -140,7 +142,7 @@ def join(call: CallCost, program: dict) -> Join:
         if cands:
             grid_loop = max(cands, key=lambda lp: lp["end"] - lp["start"])
         elif steps > 1:
-            notes.append(f"no compiled loop of {steps} (+2) trips for the grid")
+            notes.append(f"{GRID_UNJOINED} {steps} (+2) trips for the grid")
     if grid_loop is not None:
         prologue = program["own_bundles"] + sum(_inline(lp)[0] for lp in top if lp is not grid_loop)
         root = grid_loop
@@ -237,6 +239,11 @@ class CallTime:
 
     def grid_steps(self) -> int:
         return sum(s.count for s in self.steps)
+
+    @property
+    def grid_joined(self) -> bool:
+        """False when no compiled loop matched the grid: each step would be timed as the whole kernel."""
+        return not any(n.startswith(GRID_UNJOINED) for n in self.join_notes)
 
     def loop_steps(self) -> float:
         return sum(s.count * s.loop_steps for s in self.steps)
@@ -352,17 +359,26 @@ def glue_ops(profile: dict) -> list[dict]:
         (op.get("program") or {}).get("executed_bundles", 0)) > 0]
 
 
+def kernel_name(op_name: str) -> str:
+    """A compiled kernel's name as its pallas_call named it: without XLA's suffix (".1") and the prefixes JAX's
+    transforms add (a kernel in a custom VJP's backward is named ``transpose_jvp_<name>_``)."""
+    base = op_name.rsplit(".", 1)[0]
+    while base.startswith(("jvp_", "transpose_")):
+        base = base.split("_", 1)[1]
+    return base
+
+
 def match_calls(calls: list[CallCost], profile: dict) -> list[tuple[CallCost, dict | None]]:
-    """Pair the traced kernel calls with the compiled kernels (same order; names checked)."""
-    kops = kernel_ops(profile)
-    pairs: list[tuple[CallCost, Any]] = []
-    remaining = list(kops)
-    for call in calls:
-        pick = next((op for op in remaining if op["name"].rsplit(".", 1)[0] == call.name
-                     or op["name"].startswith(call.name)), None)
-        if pick is None and remaining:
-            pick = remaining[0]
+    """Pair the traced kernel calls with the compiled kernels: by name, then the rest in order (XLA may order
+    independent kernels either way: a backward's dq and dK/dV)."""
+    remaining = list(kernel_ops(profile))
+    picks: dict[int, dict] = {}
+    for i, call in enumerate(calls):
+        pick = next((op for op in remaining if kernel_name(op["name"]).startswith(call.name)), None)
         if pick is not None:
             remaining.remove(pick)
-        pairs.append((call, pick))
-    return pairs
+            picks[i] = pick
+    for i in range(len(calls)):
+        if i not in picks and remaining:
+            picks[i] = remaining.pop(0)
+    return [(call, picks.get(i)) for i, call in enumerate(calls)]

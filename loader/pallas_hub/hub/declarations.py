@@ -12,7 +12,9 @@
 The families' calling conventions (``chip`` is the TPU generation being modelled):
     moe      ``fn(x [T, H], ids [T, k], weights [T, k], gate_up [E, 2I, H], down [E, H, I], logits [T, E],
              *, top_k, chip) -> [T, H]`` (one experts layer, transformers' weight layout)
-    prefill  ``fn(q [1, Hq, S, D], k, v [1, Hkv, S, D], *, scale, chip) -> [1, Hq, S, D]`` (causal)
+    prefill  ``fn(q [1, Hq, S, D], k, v [1, Hkv, S, D], *, scale, chip) -> [1, Hq, S, D]`` (causal); a prefill
+             also races the training step (family "train"): the benchmark differentiates ``fn`` with jax.vjp,
+             as it does every anchor's, so ``fn`` must be differentiable in q, k and v
     decode   ``fn(q [B, Hq, D], new_k, new_v [B, Hkv, D], k_pages, v_pages [P, page, Hkv, D], lengths [B],
              table [B, pages], *, scale, chip) -> (out [B, Hq, D], k_pages, v_pages)`` (write the new
              token's K/V at ``lengths - 1``, then attend over ``[0, lengths)``; the caches are donated)
