@@ -1,6 +1,7 @@
 """pallas-hub bench: the runner end to end, its outputs, the TPU timing path (stand-in device and
 clock) and calibration, the bridge benchmark and the model beside XLA:TPU's and libtpu's estimates."""
 
+import dataclasses
 import json
 import types
 
@@ -225,7 +226,9 @@ def test_a_long_context_decode_problem_gives_every_sequence_its_length():
 def test_the_training_step_differentiates_every_prefill_and_checks_each_gradient():
     """The training family races each prefill implementation under one transform (jax.vjp of its forward):
     its check compares out, dq, dk and dv each against plain JAX, so a wrong gradient fails it; a prefill
-    with no backward gets a row that says why; the problem's least work is the forward's and 3x its flops."""
+    with no backward gets a row that says why. The least a step computes is 3x the forward's flops; the least
+    it moves is q, k, v and do read, out, dq, dk and dv written. Unnamed kernels (jax's flash attention
+    backward) take the name scope around them, as XLA names them, so they are matched to their schedules."""
     train = problems.train_problem(TINY, 256)
     prefill = problems.prefill_problem(TINY, 256)
     assert train.family == "train" and train.min_flops == 3 * prefill.min_flops
@@ -238,6 +241,9 @@ def test_the_training_step_differentiates_every_prefill_and_checks_each_gradient
     splash = impls["jax splash_attention (MaxText blocks)"]
     check = bench._run_check(splash, train)
     assert check["ok"] and check["rel_err"] < 1e-2, check
+    names = [c.name for c in bench._count(impls["jax flash_attention"], train, "v6e", {}).calls]
+    assert names[0] == "pallas_call" and names[1].startswith("flash_mha_bwd_dkv_block_q_major_128")
+    assert names[2].startswith("flash_mha_bwd_dq_block_q_major_128"), names
     cost = bench._count(splash, train, "v6e", {})
     assert [c.name for c in cost.calls] == ["splash_mqa_fwd_residuals", "splash_mqa_dkv_no_residuals",
                                             "splash_mqa_dq_no_residuals"]
@@ -257,3 +263,6 @@ def test_the_training_step_differentiates_every_prefill_and_checks_each_gradient
     bad = bench.training_step(bench.Impl("wrong dq", "anchor", "prefill", lambda q, k, v, **_: wrong_dq(q, k, v)))
     check = bench._run_check(bad, train)
     assert not check["ok"] and check["rel_err"] > 0.5, check
+    short = bench.Impl("out only", "anchor", "train", lambda q, k, v, do, **_: wrong_dq(q, k, v))
+    assert not bench._run_check(short, train)["ok"]  # a reference output left unchecked is an error
+    assert "prepare cannot be carried" in bench.training_step(dataclasses.replace(bad, prepare=lambda *a, **k: a)).missing

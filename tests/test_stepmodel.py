@@ -132,12 +132,12 @@ def test_glue_ops_and_call_matching():
     assert [op["name"] for op in stepmodel.glue_ops(profile)] == ["fusion"]
     # a custom VJP's backward kernels carry JAX's transform prefixes, and XLA may order independent kernels
     # either way: matched by name, not by position (by position, dq took dK/dV's schedule at 8192 tokens)
-    dq, dkv = (CallCost(n, (1,), (), 0, 0, 0, 0, 0, None, (), (_step(1),), (0,)) for n in ("fa_dq", "fa_dkv"))
-    profile = {"ops": [{"name": "transpose_jvp_fa_dkv__.1", "kernel": True},
-                       {"name": "transpose_jvp_fa_dq__.1", "kernel": True}, {"name": "other.3", "kernel": True}]}
-    assert stepmodel.kernel_name("transpose_jvp_fa_dq__.1") == "fa_dq__"
-    assert [op["name"] for _, op in stepmodel.match_calls([a, dq, dkv], profile)] == [
-        "other.3", "transpose_jvp_fa_dq__.1", "transpose_jvp_fa_dkv__.1"]  # the unnamed call takes what is left
+    fa, dq, dkv = (CallCost(n, (1,), (), 0, 0, 0, 0, 0, None, (), (_step(1),), (0,)) for n in ("fa", "fa_dq", "fa_dkv"))
+    profile = {"ops": [{"name": "transpose_jvp_fa_dkv__.1", "kernel": True}, {"name": "fa_dq.2", "kernel": True},
+                       {"name": "fa.3", "kernel": True}, {"name": "other.4", "kernel": True}]}
+    assert stepmodel.kernel_name("transpose_jvp_fa_dkv__.1") == "fa_dkv__"
+    assert [op["name"] for _, op in stepmodel.match_calls([a, fa, dq, dkv], profile)] == [
+        "other.4", "fa.3", "fa_dq.2", "transpose_jvp_fa_dkv__.1"]  # "fa" is not "fa_dq"; "k" takes what is left
 
 
 def test_a_kernel_whose_grid_has_no_compiled_loop_gives_no_figure(monkeypatch):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import re
 from typing import Any, Callable
 
 from ..verify import introspect  # importing pallas_hub.verify first keeps JAX on the CPU
@@ -165,8 +166,9 @@ def roofline_fraction(cost: Cost, min_bytes: float, min_flops: float, chip: str)
 
 # --------------------------------------------------------------------------- capturing the calls
 
-def capture(fn: Callable, *args, **static) -> list[tuple[tuple, dict]]:
-    """Trace ``fn`` and return (concrete operands, params) of every pallas_call it makes, in order.
+def capture(fn: Callable, *args, **static) -> list[tuple[tuple, dict, str]]:
+    """Trace ``fn`` and return (concrete operands, params, innermost name scope) of every pallas_call it makes,
+    in order.
 
     The traced program is evaluated eagerly up to each pallas_call (calls such as jit and
     custom_vjp that contain kernels are inlined, a cond around a kernel takes its concrete branch).
@@ -175,7 +177,7 @@ def capture(fn: Callable, *args, **static) -> list[tuple[tuple, dict]]:
     tables) costs anything, at any problem size.
     """
     closed = jax.make_jaxpr(functools.partial(fn, **static))(*args)
-    records: list[tuple[tuple, dict]] = []
+    records: list[tuple[tuple, dict, str]] = []
     _eval_outer(closed.jaxpr, closed.consts, jax.tree_util.tree_leaves(args), records)
     return records
 
@@ -194,7 +196,7 @@ def _eval_outer(jaxpr, consts, args, records):
         name = eqn.primitive.name
         subs = [v for v in eqn.params.values() if isinstance(v, (jex_core.ClosedJaxpr, jex_core.Jaxpr))]
         if name == "pallas_call":
-            records.append((tuple(ins), dict(eqn.params)))
+            records.append((tuple(ins), dict(eqn.params), str(eqn.source_info.name_stack).rsplit("/", 1)[-1]))
             outs = abstract(eqn)  # nothing is computed
         elif not any(_has_pallas_call(j) for v in eqn.params.values() for j in introspect.sub_jaxprs(v)):
             if any(isinstance(x, jax.ShapeDtypeStruct) for x in ins):
@@ -226,7 +228,7 @@ def estimate(fn: Callable, *args, **static) -> Cost:
     records = capture(fn, *args, **static)
     if not records:
         raise ValueError("estimate: fn made no pallas_call, so there is no kernel to model")
-    return Cost(tuple(_call_cost(ops, params) for ops, params in records))
+    return Cost(tuple(_call_cost(ops, params, scope) for ops, params, scope in records))
 
 
 # --------------------------------------------------------------------------- one call
@@ -253,7 +255,9 @@ def _nbytes(shape, dtype) -> int:
     return math.prod(shape) * np.dtype(dtype).itemsize
 
 
-def _call_cost(operands: tuple, params: dict) -> CallCost:
+def _call_cost(operands: tuple, params: dict, scope: str = "") -> CallCost:
+    """One call's counts; its name is the kernel's, or for an unnamed kernel the name scope around it, as XLA
+    names the compiled kernel (jax's flash attention backward: ``flash_mha_bwd_dq_block_q_major=128...``)."""
     gm = params["grid_mapping"]
     kernel = params["jaxpr"]
     n_dyn = sum(1 for g in gm.grid if not isinstance(g, (int, np.integer)))
@@ -343,7 +347,7 @@ def _call_cost(operands: tuple, params: dict) -> CallCost:
         remote += site.remote_bytes * n
         inner += site.steps * n
     info = params.get("name_and_src_info") or params.get("name")
-    name = str(getattr(info, "name", info) or "pallas_call")
+    name = str(getattr(info, "name", info) or re.sub(r"[^\w.-]", "_", scope) or "pallas_call")
     ce = params.get("cost_estimate")
     declared = {"flops": int(ce.flops), "bytes_accessed": int(ce.bytes_accessed)} if ce is not None else None
     levels = len(body.loops) + 1

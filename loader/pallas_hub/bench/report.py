@@ -4,7 +4,7 @@
 
 * ``benchmarks/README.md``: ours against the best anchor per problem and chip, the rankings at
   0 / 0.35 / 0.7 us per step, every row, the per-step breakdown, chip figures, the validation;
-* ``kernels/<name>/benchmarks/RESULTS.md``: that kernel's family, in full;
+* ``kernels/<name>/benchmarks/RESULTS.md``: that kernel's families (``KERNEL_OF``), in full;
 * ``kernels/<name>/CARD.md``: the same summary rows, short;
 
 and the plots. ``rendered(result)`` returns {path: text} without writing: the staleness test

@@ -93,6 +93,10 @@ def training_step(impl: Impl) -> Impl:
     """``impl`` (a prefill) as a training step: fn(q, k, v, do) -> (out, dq, dk, dv), the same transform (JAX's
     vjp of its forward) for ours and every anchor, so each runs the backward its library defines."""
     fn = impl.fn
+    carried = [f for f in ("prepare", "reference", "cost", "search", "donate") if getattr(impl, f)]
+    if carried:  # each takes or models the forward's arguments only
+        return dataclasses.replace(impl, family="train", fn=None,
+                                   missing=f"its {', '.join(carried)} cannot be carried into a training step")
 
     def train(q, k, v, do, **kwargs):
         out, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, **kwargs), q, k, v)
@@ -259,8 +263,8 @@ def anchor_impls(families) -> list[Impl]:
                  note="default blocks; one MQA kernel per K/V head"),
             Impl("jax splash_attention (MaxText blocks)", "anchor", "prefill",
                  _anchor_fn(functools.partial(anchors.splash_attention, block=anchors.MAXTEXT_SPLASH_BLOCK)),
-                 per_chip=False, note=f"every block {anchors.MAXTEXT_SPLASH_BLOCK} (MaxText's defaults), separate dq "
-                                      "and dK/dV kernels; one MQA kernel per K/V head"),
+                 per_chip=False, note=f"every block {anchors.MAXTEXT_SPLASH_BLOCK} (MaxText's defaults; its dq and "
+                                      "dK/dV kernels unfused, as splash's default); one MQA kernel per K/V head"),
             Impl("vLLM TPU flash_attention", "anchor", "prefill", _anchor_fn(anchors.vllm_flash_attention),
                  context=vllm_tpu.chip, note="its tuned parameters; K/V heads repeated (no GQA)",
                  no_backward="tpu-inference's flash_attention is an inference kernel (no custom VJP: JAX cannot "
@@ -353,7 +357,7 @@ def kernel_digest(spec) -> str:
 
 def implementations(families=FAMILIES, paths=(), progress=print, built: dict | None = None) -> list[Impl]:
     """Ours (each kernel that declares a family in its bench_problems.py, built from the manifest or from
-    kernel folders in ``paths``, which win) and the anchors.
+    kernel folders in ``paths``, which win) and the anchors; for "train", every prefill one as a training step.
 
     ``built``: key -> an existing build folder (the compile workers reuse the parent's builds)."""
     from ..hub.build import build_kernel, load_built
@@ -444,7 +448,7 @@ COUNTS_VERSION = 1  # bump when what a stored count or check holds changes
 
 
 def _check(impl: Impl, problem: Problem, cache: dict) -> dict:
-    key = (impl.name.split(" (")[0],) + problem.check_key  # tiling variants share their kernel's check
+    key = (impl.name.removesuffix(" (best tiling)"),) + problem.check_key  # the best tiling shares its kernel's check
     if key not in cache:
         cache[key] = _stored("check", impl, key[0], list(problem.check_key), lambda: _run_check(impl, problem),
                              keep=lambda c: c.get("ok"))
@@ -469,7 +473,8 @@ def _run_check(impl: Impl, problem: Problem) -> dict:
         refs = c.reference if isinstance(c.reference, tuple) else (c.reference,)
         outs = out[:len(refs)] if isinstance(out, tuple) else (out,)
         err = max(float(np.max(np.abs(np.asarray(jnp.asarray(o, jnp.float32)) - np.asarray(r, np.float32)))
-                        / max(float(np.max(np.abs(np.asarray(r, np.float32)))), 1e-30)) for o, r in zip(outs, refs))
+                        / max(float(np.max(np.abs(np.asarray(r, np.float32)))), 1e-30))
+                  for o, r in zip(outs, refs, strict=True))  # fewer outputs than the reference: an error
         return {"ok": bool(np.isfinite(err) and err <= c.tol), "rel_err": err, "tol": c.tol, "shape": c.shape,
                 "kind": kind, "seconds": time.perf_counter() - start}
     except Exception as e:

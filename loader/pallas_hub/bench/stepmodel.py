@@ -58,6 +58,7 @@ class Join:
     prologue: int  # bundles outside the grid loop (once per call)
     grid_loop: bool
     notes: list[str]
+    grid_joined: bool = True  # False: a grid of several steps matched no compiled loop (its steps cannot be timed)
 
     @property
     def exact(self) -> bool:
@@ -127,9 +128,6 @@ def _observed_trips(call: CallCost, i: int) -> int | None:
     return ratios.pop() if len(ratios) == 1 else None
 
 
-GRID_UNJOINED = "no compiled loop of"  # a join note: the grid's steps could not be found in the schedule
-
-
 def join(call: CallCost, program: dict) -> Join:
     """Match a call's loop levels (costmodel) to its compiled loops (llo)."""
     steps = sum(t.count for t in call.step_types)
@@ -142,7 +140,7 @@ def join(call: CallCost, program: dict) -> Join:
         if cands:
             grid_loop = max(cands, key=lambda lp: lp["end"] - lp["start"])
         elif steps > 1:
-            notes.append(f"{GRID_UNJOINED} {steps} (+2) trips for the grid")
+            notes.append(f"no compiled loop of {steps} (+2) trips for the grid")
     if grid_loop is not None:
         prologue = program["own_bundles"] + sum(_inline(lp)[0] for lp in top if lp is not grid_loop)
         root = grid_loop
@@ -191,7 +189,7 @@ def join(call: CallCost, program: dict) -> Join:
             notes.append("a compiled loop with a run-time trip count matches no kernel loop (counted once)")
 
     walk(0, children_of.get(None, []), root)
-    return Join(levels, folded, prologue, grid_loop is not None, notes)
+    return Join(levels, folded, prologue, grid_loop is not None, notes, grid_loop is not None or steps <= 1)
 
 
 # --------------------------------------------------------------------------- timing
@@ -232,6 +230,7 @@ class CallTime:
     vmatmul_flops: float  # flops the MXU performed (issued vmatmuls x their size): efficiency = flops / this
     issued_bundles: float
     flops: int
+    grid_joined: bool = True  # False: no compiled loop matched the grid, so each step would be the whole kernel
 
     def seconds(self, overhead: float) -> float:
         """The code outside the grid loop, one overhead for the call's launch (as every XLA op pays), the steps."""
@@ -240,10 +239,6 @@ class CallTime:
     def grid_steps(self) -> int:
         return sum(s.count for s in self.steps)
 
-    @property
-    def grid_joined(self) -> bool:
-        """False when no compiled loop matched the grid: each step would be timed as the whole kernel."""
-        return not any(n.startswith(GRID_UNJOINED) for n in self.join_notes)
 
     def loop_steps(self) -> float:
         return sum(s.count * s.loop_steps for s in self.steps)
@@ -337,7 +332,7 @@ def call_time(call: CallCost, program: dict | None, chip: str) -> CallTime:
         loops = [(n_iter[lv], dma[lv] / n_iter[lv] / bw, max(issue[lv], mxu[lv]) / n_iter[lv] / clock)
                  for lv in range(1, n_levels) if pipeline[lv] and n_iter[lv]]
         steps.append(StepTime(st.count, dma_s, compute_s, issue[0], mxu[0], loops))
-    return CallTime(call.name, steps, j.prologue / clock, j.notes, vm_flops, issued, call.flops)
+    return CallTime(call.name, steps, j.prologue / clock, j.notes, vm_flops, issued, call.flops, j.grid_joined)
 
 
 def glue_time(op: dict, chip: str, overhead: float) -> float:
@@ -373,11 +368,13 @@ def match_calls(calls: list[CallCost], profile: dict) -> list[tuple[CallCost, di
     independent kernels either way: a backward's dq and dK/dV)."""
     remaining = list(kernel_ops(profile))
     picks: dict[int, dict] = {}
-    for i, call in enumerate(calls):
-        pick = next((op for op in remaining if kernel_name(op["name"]).startswith(call.name)), None)
-        if pick is not None:
-            remaining.remove(pick)
-            picks[i] = pick
+    for same in (lambda op, name: kernel_name(op).rstrip("_") == name,  # exact names first: "k" is not "k_dq"
+                 lambda op, name: kernel_name(op).startswith(name)):
+        for i, call in enumerate(calls):
+            pick = None if i in picks else next((op for op in remaining if same(op["name"], call.name)), None)
+            if pick is not None:
+                remaining.remove(pick)
+                picks[i] = pick
     for i in range(len(calls)):
         if i not in picks and remaining:
             picks[i] = remaining.pop(0)

@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 from .manifest import KernelSpec, ManifestError
 
-FAMILIES = ("moe", "prefill", "decode")  # the benchmark's problem families (pallas_hub.bench.runner)
+FAMILIES = ("moe", "prefill", "decode")  # the families a kernel may declare (the bench derives "train" from prefill)
 
 
 @dataclasses.dataclass
