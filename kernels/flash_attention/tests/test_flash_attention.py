@@ -105,6 +105,14 @@ GRADS = [  # ragged blocks, GQA, window, soft-cap, sinks, padding; MQA decode
     (2, 4, 1, 130, 200, 64, dict(causal=False, seq=[[0, 200, 130], [10, 190, 100]],
                                  mask=jax.random.bernoulli(jax.random.key(5), 0.7, (2, 130, 200)))),  # a given mask
     (1, 2, 2, 150, 150, 128, dict(mask=jax.random.bernoulli(jax.random.key(6), 0.7, (1, 150, 150)))),
+    # head dim 128 keys-major on [.., S, D] blocks: q and dO transposed in the kernel, ragged q and K/V blocks,
+    # padding on both sides, window, soft-cap and sinks; a given mask; the causal diagonal in 2 slabs of 256
+    # queries, unmasked tiles, a ragged last q block, keys past the queries (bottom-right) and left padding
+    (1, 8, 2, 260, 300, 128, dict(window=70, softcap=5.0, use_sinks=True, seq=[[5, 297, 250]], block_k=256)),
+    (2, 4, 1, 130, 200, 128, dict(causal=False, seq=[[0, 200, 130], [10, 190, 100]],
+                                  mask=jax.random.bernoulli(jax.random.key(7), 0.7, (2, 130, 200)))),
+    (2, 4, 2, 1100, 1300, 128, dict(block_q=512, block_k=512, seq=[[0, 1300, 1100], [40, 1260, 900]])),
+    (1, 4, 2, 40, 300, 128, dict(window=50, softcap=5.0, use_sinks=True)),  # a short q block: row-major
 ]
 
 
@@ -121,8 +129,8 @@ def test_gradients_match_autodiff_of_reference(fa, b, hq, hkv, sq, sk, d, extra)
     seq = None if seq is None else jnp.asarray(seq, jnp.int32)
     q, k, v, sinks = _inputs(b, hq, hkv, sq, sk, d)
     sinks = sinks if use_sinks else None
-    block_k = extra.pop("block_k", 128)
-    kernel = functools.partial(fa.pallas.flash_attention, seq=seq, chip="", block_q=128, block_k=block_k, **extra)
+    block_q, block_k = extra.pop("block_q", 128), extra.pop("block_k", 128)
+    kernel = functools.partial(fa.pallas.flash_attention, seq=seq, chip="", block_q=block_q, block_k=block_k, **extra)
     with interpret("fast"):
         got = _grads(lambda q, k, v, s: kernel(q, k, v, s), q, k, v, sinks)
     want = _grads(lambda q, k, v, s: fa.pallas.reference(q, k, v, s, seq, **extra), q, k, v, sinks)
@@ -273,17 +281,21 @@ def test_torch_op_default_scale_is_head_dim_rsqrt(fa):
 # --------------------------------------------------------------------------- strict interpreter
 
 @pytest.mark.strict_interpret
-def test_strict_interpreter_forward_and_backward(fa):
+@pytest.mark.parametrize("shape,seq,blocks,window", [
+    ((2, 4, 2, 20, 150, 64), [[5, 140, 20], [0, 150, 9]], 128, 100),  # short q blocks: row-major
+    # keys-major: a ragged last q block, unmasked tiles and the causal diagonal in 2 slabs, left padding
+    ((1, 4, 2, 600, 650, 128), [[10, 650, 600]], 512, None)])
+def test_strict_interpreter_forward_and_backward(fa, shape, seq, blocks, window):
     """NaN-initialised VMEM, out-of-bounds reads raise, race detection: ragged blocks, padding, sinks."""
-    q, k, v, sinks = _inputs(2, 4, 2, 20, 150, 64)
-    seq = jnp.array([[5, 140, 20], [0, 150, 9]], jnp.int32)
-    f = functools.partial(fa.pallas.flash_attention, seq=seq, chip="", block_q=128, block_k=128, window=100)
+    q, k, v, sinks = _inputs(*shape)
+    seq = jnp.array(seq, jnp.int32)
+    f = functools.partial(fa.pallas.flash_attention, seq=seq, chip="", block_q=blocks, block_k=blocks, window=window)
     with interpret("strict"):
         out = f(q, k, v, sinks)
         dq, dk, dv, ds = jax.grad(lambda *a: f(*a).sum(), (0, 1, 2, 3))(q, k, v, sinks)
-    ref = fa.pallas.reference(q, k, v, sinks, seq, window=100)
+    ref = fa.pallas.reference(q, k, v, sinks, seq, window=window)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=F32_TOL)
-    want = jax.grad(lambda *a: fa.pallas.reference(*a, seq, window=100).sum(), (0, 1, 2, 3))(q, k, v, sinks)
+    want = jax.grad(lambda *a: fa.pallas.reference(*a, seq, window=window).sum(), (0, 1, 2, 3))(q, k, v, sinks)
     for a, r in zip((dq, dk, dv, ds), want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(r), atol=GRAD_TOL, rtol=GRAD_TOL)
 
