@@ -105,14 +105,20 @@ GRADS = [  # ragged blocks, GQA, window, soft-cap, sinks, padding; MQA decode
     (2, 4, 1, 130, 200, 64, dict(causal=False, seq=[[0, 200, 130], [10, 190, 100]],
                                  mask=jax.random.bernoulli(jax.random.key(5), 0.7, (2, 130, 200)))),  # a given mask
     (1, 2, 2, 150, 150, 128, dict(mask=jax.random.bernoulli(jax.random.key(6), 0.7, (1, 150, 150)))),
-    # head dim 128 keys-major on [.., S, D] blocks: q and dO transposed in the kernel, ragged q and K/V blocks,
-    # padding on both sides, window, soft-cap and sinks; a given mask; the causal diagonal in 2 slabs of 256
-    # queries, unmasked tiles, a ragged last q block, keys past the queries (bottom-right) and left padding
+    # head dim 128 keys-major on [.., S, D] blocks (q and dO transposed in the dK/dV kernel): ragged q and K/V
+    # blocks, padding on both sides, window, soft-cap and sinks; a given mask; the causal diagonal in 2 slabs of
+    # 256 queries, unmasked tiles, a ragged last q block, keys past the queries (bottom-right) and left padding
     (1, 8, 2, 260, 300, 128, dict(window=70, softcap=5.0, use_sinks=True, seq=[[5, 297, 250]], block_k=256)),
     (2, 4, 1, 130, 200, 128, dict(causal=False, seq=[[0, 200, 130], [10, 190, 100]],
                                   mask=jax.random.bernoulli(jax.random.key(7), 0.7, (2, 130, 200)))),
     (2, 4, 2, 1100, 1300, 128, dict(block_q=512, block_k=512, seq=[[0, 1300, 1100], [40, 1260, 900]])),
-    (1, 4, 2, 40, 300, 128, dict(window=50, softcap=5.0, use_sinks=True)),  # a short q block: row-major
+    # head dim 64 ([.., D, S] views): unmasked tiles, the diagonal's slabs, a ragged last q block and K/V tile
+    (1, 4, 2, 1100, 1100, 64, dict(block_q=512, block_k=512, use_sinks=True)),
+    (1, 2, 1, 260, 260, 256, dict(block_k=256, softcap=5.0)),  # head dim 256: unmasked tiles, ragged blocks
+    # short q blocks (row-major): masked (window, sinks), unmasked (non-causal, no padding), a given mask
+    (1, 4, 2, 40, 300, 128, dict(window=50, softcap=5.0, use_sinks=True)),
+    (1, 4, 2, 40, 300, 128, dict(causal=False, use_sinks=True)),
+    (1, 2, 2, 40, 150, 128, dict(causal=False, mask=jax.random.bernoulli(jax.random.key(8), 0.7, (1, 40, 150)))),
 ]
 
 
@@ -283,8 +289,9 @@ def test_torch_op_default_scale_is_head_dim_rsqrt(fa):
 @pytest.mark.strict_interpret
 @pytest.mark.parametrize("shape,seq,blocks,window", [
     ((2, 4, 2, 20, 150, 64), [[5, 140, 20], [0, 150, 9]], 128, 100),  # short q blocks: row-major
-    # keys-major: a ragged last q block, unmasked tiles and the causal diagonal in 2 slabs, left padding
-    ((1, 4, 2, 600, 650, 128), [[10, 650, 600]], 512, None)])
+    # keys-major: the causal diagonal in 2 slabs, an unmasked tile (q block 1 sees key tile 0 whole), a ragged last
+    # q block and K/V tile; left padding and a shorter query run in the second sequence
+    ((2, 2, 1, 1100, 1100, 128), [[0, 1100, 1100], [10, 1100, 1000]], 512, None)])
 def test_strict_interpreter_forward_and_backward(fa, shape, seq, blocks, window):
     """NaN-initialised VMEM, out-of-bounds reads raise, race detection: ragged blocks, padding, sinks."""
     q, k, v, sinks = _inputs(*shape)

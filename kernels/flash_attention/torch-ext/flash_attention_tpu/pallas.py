@@ -36,8 +36,9 @@ prefill row 2.3-4.7% faster).
 The forward's log-sum-exp (a training residual) leaves the kernel as lane-dense rows [..., 1, Sq]
 (keys-major) or lane-broadcast [..., 128] (short blocks) and becomes [B, Hq, Sq]; the backward
 reads it, and dO.O, lane-dense in rows. The backward works in the forward's layout: keys-major for prefill
-blocks (head dim 64 on the same [.., D, S] views, dO and the gradients too), its key tiles as the forward's
-(the ones every row sees whole unmasked, the causal diagonal's in slabs); short q blocks row-major.
+blocks (head dim 64 on the same [.., D, S] views, dO and the gradients too), short q blocks row-major; the key
+tiles every row sees whole run unmasked in a loop of their own, the causal diagonal's in slabs (keys-major), as
+the forward's (without its aligned-triangle shortcut, tile pairs or longer K/V blocks).
 """
 
 from __future__ import annotations
@@ -170,7 +171,7 @@ def _blocks(sq, sk, block_q, block_k, chip):
 
 
 def _compute_tile(bq, bk):
-    """Keys per compute tile in the forward: bq when it divides bk (diagonal waste <= bq/S), else bk."""
+    """Keys per compute tile (forward and backward): bq when it divides bk (diagonal waste <= bq/S), else bk."""
     return bq if bq % LANES == 0 and bk % bq == 0 else bk
 
 
@@ -407,8 +408,8 @@ def _zero_past(x, start, n, ragged, axis=0):
 
 
 def _keys_major(bq):
-    """Forward layout: q blocks of whole lane tiles (prefill) hold queries on lanes and keys on sublanes
-    (``am.online_softmax_step_keys_major``); short ones (decode) keep queries on sublanes."""
+    """Layout (forward and backward): q blocks of whole lane tiles (prefill) hold queries on lanes and keys on
+    sublanes (``am.online_softmax_step_keys_major``); short ones (decode) keep queries on sublanes."""
     return bq % LANES == 0
 
 
@@ -616,10 +617,10 @@ def _fwd_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
 _NT = (((1,), (1,)), ((), ()))  # dot_general: contract both operands' last dims (a @ b^T)
 
 
-def _bwd_keys(k_ref, v_ref, col0, tile, *, sk, bk, d_major):
-    """The key tile's K and V [bkc, D] from key col0, keys past Sk zeroed; ``d_major``: K^T and V^T [D, bkc], as
-    the blocks hold them."""
-    ragged = sk % bk != 0
+def _bwd_keys(k_ref, v_ref, col0, tile, masked, *, sk, bk, d_major):
+    """The key tile's K and V [bkc, D] from key col0, keys past Sk zeroed (a ``masked`` tile: a full one lies
+    inside Sk); ``d_major``: K^T and V^T [D, bkc], as the blocks hold them."""
+    ragged = masked and sk % bk != 0
     if d_major:
         return tuple(_zero_past(r[:, tile], col0, sk, ragged, axis=1) for r in (k_ref, v_ref))
     return tuple(_zero_past(r[tile, :], col0, sk, ragged) for r in (k_ref, v_ref))
@@ -627,22 +628,22 @@ def _bwd_keys(k_ref, v_ref, col0, tile, *, sk, bk, d_major):
 
 def _bwd_tile(seq_ref, q_ref, do_ref, lse_ref, di_ref, mask_ref, k, v, b, qi, col0, tile, g, masked, n=0,
               size=None, *, bq, sq, scale, causal, window, softcap, keys_major, d_major):
-    """Shared backward math for head g, q block qi and the key tile ``tile`` (keys k, v [bkc, D] from key
-    col0, ``_bwd_keys``): returns ds (w.r.t. the scaled logits before soft-capping) and p, [bq, bkc], and head
-    g's q and dO [bq, D]; ``keys_major`` (``_keys_major``): ds and p [bkc, bq], and with ``d_major`` q and
-    dO [D, bq] (``_d_major`` views). Unless ``masked``, every row sees every key of the tile (``_full_tiles``).
-    ``size``: the block's queries [n size, (n + 1) size) only (a slab of the diagonal's tile, keys-major), against
-    the keys given."""
+    """Shared backward math for head g, q block qi and the key tile ``tile`` (keys k, v [keys, D] from key
+    col0, ``_bwd_keys``): returns ds (w.r.t. the scaled logits before soft-capping) and p, [rows, keys], and head
+    g's q and dO [rows, D]; ``keys_major`` (``_keys_major``): ds and p [keys, rows], and with ``d_major`` q and
+    dO [D, rows] (``_d_major`` views). The rows: the q block's bq, or (``size``, keys-major) its queries [n size,
+    (n + 1) size), a slab of the diagonal's tile. Unless ``masked``, every row sees every key of the tile
+    (``_full_tiles``): no mask, and no rows past Sq to zero."""
     size = size or bq
     rows = pl.ds(n * size, size)
     if masked:
         ok = _positions(seq_ref, b, qi * bq + n * size, col0, rows=size, cols=k.shape[0], causal=causal,
                         window=window, mask=None if mask_ref is None else mask_ref[:, tile], keys_major=keys_major)
-    axis = 1 if d_major else 0
+    axis, ragged = (1 if d_major else 0), masked and sq % bq != 0
     block = (lambda r: r[g, :, rows]) if d_major else (lambda r: r[g, rows, :])  # noqa: E731
-    q = _zero_past(block(q_ref), qi * bq + n * size, sq, sq % bq != 0, axis)
-    do = _zero_past(block(do_ref), qi * bq + n * size, sq, sq % bq != 0, axis)
-    if keys_major:  # K Q^T and V dO^T; the rows' statistics [1, bq] broadcast over the keys
+    q = _zero_past(block(q_ref), qi * bq + n * size, sq, ragged, axis)
+    do = _zero_past(block(do_ref), qi * bq + n * size, sq, ragged, axis)
+    if keys_major:  # K Q^T and V dO^T; the rows' statistics [1, rows] broadcast over the keys
         kq = jax.lax.dot if d_major else functools.partial(jax.lax.dot_general, dimension_numbers=_NT)
         s = am.logits(kq(k, q, preferred_element_type=jnp.float32), scale=scale, softcap=softcap)
         lse, di = lse_ref[g, :, rows], di_ref[g, :, rows]
@@ -712,8 +713,8 @@ def _dq_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups,
         dq_sc[...] = jnp.zeros(dq_sc.shape, jnp.float32)
 
     def compute(col0, tile, masked, slabs):
-        keys = functools.partial(_bwd_keys, k_ref, v_ref, col0, tile, sk=sk, bk=bk, d_major=d_major)
-        if d_major:  # K and V transposed once a tile for the G heads; [bkc, D] blocks are read per head
+        keys = functools.partial(_bwd_keys, k_ref, v_ref, col0, tile, masked, sk=sk, bk=bk, d_major=d_major)
+        if d_major:  # K and V transposed once a tile for the G heads (row-major: read per head)
             kt, vt = keys()
             kv = kt.T, vt.T
         elif keys_major:  # K^T once a tile
@@ -770,7 +771,7 @@ def _dkv_kernel(outer_ref, inner_ref, flags_ref, seq_ref, *refs, n_items, groups
         dv_sc[...] = jnp.zeros(dv_sc.shape, jnp.float32)
 
     def compute(col0, tile, masked, slabs):
-        keys = functools.partial(_bwd_keys, k_ref, v_ref, col0, tile, sk=sk, bk=bk, d_major=d_major)
+        keys = functools.partial(_bwd_keys, k_ref, v_ref, col0, tile, masked, sk=sk, bk=bk, d_major=d_major)
         kv = tuple(x.T for x in keys()) if d_major else keys() if keys_major else None
 
         def head(g, carry):
@@ -930,10 +931,10 @@ def _backward(q, k, v, sinks, seq, mask, out, lse, do, *, scale, causal, window,
     # kernel (s = K Q^T and dp = V dO^T take them as they are), the f32 results once a block. Cost model, causal
     # training step, layer us: v6e Qwen3 8k (head dim 128) 9083.2 -> 8083.3, TPU7x 6860.4 -> 6399.0 (v6e: dq 3241.8
     # -> 2972.6, dK/dV 4450.6 -> 3719.9, MXU efficiency 0.50 -> 0.60 / 0.67). With the key tiles as the forward's
-    # (``_for_each_tile``), row-major -> keys-major: v6e Gemma-3 (head dim 256) 8k 2153.2 -> 2099.8, 2k 246.0 ->
-    # 210.1 (the slabs); v5e Qwen3 2k 1347.0 -> 1129.7, Gemma-3 2k 627.8 -> 542.1, 8k 7265.7 -> 6964.6, but Qwen3
-    # 8k 14915.4 -> 15098.5. Lost: [.., D, S] views at head dim 128, which XLA transposes in HBM (v6e Qwen3 8k
-    # 8535.9, 352 us of copies); q and dO transposed once into VMEM scratch (8233.8).
+    # (``_for_each_tile``), row-major -> keys-major (and so the diagonal's slabs): v6e Gemma-3 (head dim 256) 8k
+    # 2153.2 -> 2099.8, 2k 246.0 -> 210.1; v5e Qwen3 2k 1347.0 -> 1129.7, Gemma-3 2k 627.8 -> 542.1, 8k 7265.7 ->
+    # 6964.6, but Qwen3 8k 14915.4 -> 15098.5. Lost: [.., D, S] views at head dim 128, which XLA transposes in HBM
+    # (v6e Qwen3 8k 8535.9, 352 us of copies); q and dO transposed once into VMEM scratch (8233.8).
     d_major, keys_major = _d_major(bq, d), _keys_major(bq)
     q5, k, v, do5 = (_view(x, d_major) for x in (q.reshape(b, hkv, g, sq, d), k, v, do.reshape(b, hkv, g, sq, d)))
     row = lambda x: x.reshape(b, hkv, g, 1, sq)  # noqa: E731  per-row stats, lane-dense
