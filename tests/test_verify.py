@@ -111,6 +111,6 @@ def test_pallas_calls_reports_grid_and_blocks(load_kernel):
     k = load_kernel(FIXTURE)
     spec = jax.ShapeDtypeStruct((1000, 256), jnp.bfloat16)
     (call,) = pallas_calls(k.pallas.scale_add, spec, spec, alpha=1.0, block_rows=128)
-    assert call.grid == (8,)
+    assert call.grid == (8,) and call.name == "scale_add"
     assert [b.block_shape for b in call.inputs + call.outputs] == [(128, 256)] * 3
     assert call.vmem_bytes == 3 * 2 * 128 * 256 * 2

@@ -101,10 +101,10 @@ def pallas_calls(fn: Callable, *args, **kwargs) -> list[PallasCall]:
             and hasattr(a.dtype, "itemsize")  # DMA/regular semaphores (pltpu.SemaphoreType) hold no VMEM data
         )
         n_in = gm.num_inputs
-        info = eqn.params.get("name_and_src_info")
+        info = eqn.params.get("name_and_src_info") or eqn.params.get("name")  # older jax, jax 0.10
         calls.append(
             PallasCall(
-                name=str(getattr(info, "name", "pallas_call")),
+                name=str(getattr(info, "name", info) or "pallas_call"),
                 grid=tuple(g if isinstance(g, int) else -1 for g in gm.grid),  # -1: dynamic (traced) size
                 num_scalar_prefetch=gm.num_index_operands,
                 inputs=tuple(b for b in blocks if "output" not in b.origin.lower())[:n_in],
