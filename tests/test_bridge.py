@@ -1,5 +1,7 @@
 """The torch <-> JAX bridge (pallas_hub/vendored/_bridge.py, vendored into every kernel as _bridge.py)."""
 
+import importlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -182,10 +184,13 @@ def test_with_torch_tpu_installed_the_op_fronts_torch_tpus_real_jax_op():
 
 def test_kernel_package_ships_its_own_bridge_and_unique_namespace(load_kernel):
     k = load_kernel(FIXTURE)
-    assert k._bridge.__file__ != bridge.__file__
-    assert open(k._bridge.__file__).read() == open(bridge.__file__).read()  # vendored from the single source
-    assert k._ops._OPS_NAME.startswith("_scale_add_tpu_cpu_")
-    assert k.scale_add._qualname == f"{k._ops._OPS_NAME}::scale_add"
+    # submodules by name, not as k._bridge: a package loaded again while they are still in sys.modules (an
+    # earlier test's load of the same build) does not get them back as attributes
+    own, ops = (importlib.import_module(f"{k.__name__}.{m}") for m in ("_bridge", "_ops"))
+    assert own.__file__ != bridge.__file__
+    assert open(own.__file__).read() == open(bridge.__file__).read()  # vendored from the single source
+    assert ops._OPS_NAME.startswith("_scale_add_tpu_cpu_")
+    assert k.scale_add._qualname == f"{ops._OPS_NAME}::scale_add"
 
 
 def test_opcheck_and_autograd(load_kernel):
